@@ -1,0 +1,202 @@
+/* The event pool and the timer's event pairs.
+ *
+ * cuEventCreate/Destroy cost microseconds and can serialize with other driver work, so events are
+ * created once and recycled per device. All are created with the blocking-sync flag: a thread
+ * that waits for one sleeps rather than spinning a core. Timing stays enabled for the timer. */
+#include "syncless.h"
+
+#include <stdlib.h>
+
+int sl_event_take(sl_state *st, int device, CUevent *out)
+{
+    if (st->pool_len[device] > 0) {
+        *out = st->pool[device][--st->pool_len[device]];
+        return 0;
+    }
+    return sl_check(st, st->drv.cuEventCreate(out, CU_EVENT_BLOCKING_SYNC), "cuEventCreate");
+}
+
+/* Callers hold the GIL; the event's context must be (or become) current only to destroy it. */
+void sl_event_give(sl_state *st, int device, CUevent ev)
+{
+    if (st->pool_len[device] == st->pool_cap[device]) {
+        int cap = st->pool_cap[device] ? 2 * st->pool_cap[device] : 16;
+        CUevent *grown = realloc(st->pool[device], (size_t)cap * sizeof(CUevent));
+        if (grown == NULL) {
+            st->drv.cuEventDestroy(ev);
+            return;
+        }
+        st->pool[device] = grown;
+        st->pool_cap[device] = cap;
+    }
+    st->pool[device][st->pool_len[device]++] = ev;
+}
+
+void sl_events_clear(sl_state *st)
+{
+    for (int d = 0; d < SL_MAX_DEVICES; d++) {
+        for (int i = 0; i < st->pool_len[d]; i++)
+            st->drv.cuEventDestroy(st->pool[d][i]);
+        free(st->pool[d]);
+        st->pool[d] = NULL;
+        st->pool_len[d] = st->pool_cap[d] = 0;
+    }
+}
+
+/* ---- EventPair: the GPU half of syncless.timer() ------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    int device;
+    CUevent start, stop;
+    int state; /* 0 fresh, 1 started, 2 stopped */
+} EventPair;
+
+static PyObject *EventPair_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"device", NULL};
+    int device;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", kwlist, &device))
+        return NULL;
+    sl_state *st = sl_type_state(type);
+    if (sl_driver_load(st))
+        return NULL;
+    EventPair *self = (EventPair *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->device = device;
+    self->state = 0;
+    CUcontext prev;
+    if (sl_enter_device(st, device, &prev)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    int rc = sl_event_take(st, device, &self->start) || sl_event_take(st, device, &self->stop);
+    sl_leave_device(st, prev);
+    if (rc) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void EventPair_dealloc(EventPair *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    sl_state *st = sl_type_state(type);
+    if (self->start)
+        sl_event_give(st, self->device, self->start);
+    if (self->stop)
+        sl_event_give(st, self->device, self->stop);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(self);
+    Py_DECREF(type);
+}
+
+static PyObject *record(EventPair *self, CUevent ev, int next_state)
+{
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUcontext prev;
+    CUstream stream;
+    int capturing = 0;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    int rc = sl_current_stream(st, self->device, &stream) ||
+             sl_check(st, st->drv.cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing");
+    if (rc == 0 && capturing != CU_STREAM_CAPTURE_STATUS_NONE) {
+        /* A recorded event inside capture cannot be queried or timed; refuse before touching
+         * the capture, so the user's graph stays intact. */
+        PyErr_SetString(PyExc_RuntimeError, "syncless.timer() cannot time work inside CUDA graph "
+                        "capture; time the graph's replay() instead");
+        rc = -1;
+    }
+    if (rc == 0)
+        rc = sl_check(st, st->drv.cuEventRecord(ev, stream), "cuEventRecord");
+    sl_leave_device(st, prev);
+    if (rc)
+        return NULL;
+    self->state = next_state;
+    Py_RETURN_NONE;
+}
+
+static PyObject *EventPair_start(EventPair *self, PyObject *unused)
+{
+    (void)unused;
+    return record(self, self->start, 1);
+}
+
+static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->state != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "stop() before start()");
+        return NULL;
+    }
+    return record(self, self->stop, 2);
+}
+
+static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->state != 2)
+        Py_RETURN_FALSE;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUresult rc = st->drv.cuEventQuery(self->stop);
+    if (rc == CUDA_ERROR_NOT_READY)
+        Py_RETURN_FALSE;
+    if (sl_check(st, rc, "cuEventQuery"))
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* Milliseconds between the two events; waits (GIL released, sleeping) for the stop event first,
+ * so the number can never be read early. */
+static PyObject *EventPair_elapsed(EventPair *self, PyObject *unused)
+{
+    (void)unused;
+    if (self->state != 2) {
+        PyErr_SetString(PyExc_RuntimeError, "the timed block has not ended yet");
+        return NULL;
+    }
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUresult rc = st->drv.cuEventQuery(self->stop);
+    if (rc == CUDA_ERROR_NOT_READY) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = st->drv.cuEventSynchronize(self->stop);
+        Py_END_ALLOW_THREADS
+    }
+    float ms = 0;
+    if (sl_check(st, rc, "cuEventSynchronize") ||
+        sl_check(st, st->drv.cuEventElapsedTime(&ms, self->start, self->stop),
+                 "cuEventElapsedTime"))
+        return NULL;
+    return PyFloat_FromDouble(ms);
+}
+
+static PyMethodDef EventPair_methods[] = {
+    {"start", (PyCFunction)EventPair_start, METH_NOARGS, "Record the start on the current stream."},
+    {"stop", (PyCFunction)EventPair_stop, METH_NOARGS, "Record the end on the current stream."},
+    {"ready", (PyCFunction)EventPair_ready, METH_NOARGS, "True once the end event completed."},
+    {"elapsed", (PyCFunction)EventPair_elapsed, METH_NOARGS,
+     "GPU milliseconds, waiting for the end event first."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot EventPair_slots[] = {
+    {Py_tp_new, EventPair_new},
+    {Py_tp_dealloc, EventPair_dealloc},
+    {Py_tp_methods, EventPair_methods},
+    {Py_tp_doc, "EventPair(device): two pooled CUDA events timing a stretch of one stream."},
+    {0, NULL},
+};
+
+static PyType_Spec EventPair_spec = {"syncless._C.EventPair", sizeof(EventPair), 0,
+                                     Py_TPFLAGS_DEFAULT, EventPair_slots};
+
+int sl_timer_init_types(PyObject *module, sl_state *st)
+{
+    st->timer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &EventPair_spec, NULL);
+    if (st->timer_type == NULL ||
+        PyModule_AddObjectRef(module, "EventPair", (PyObject *)st->timer_type))
+        return -1;
+    return 0;
+}

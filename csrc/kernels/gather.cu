@@ -1,0 +1,84 @@
+// The gather kernel: one launch per log() call writes one row of the device ring.
+//
+// The row index comes from a counter in device memory, not from the host, so a CUDA graph that
+// captured the launch appends a fresh row on every replay. One block; thread i handles cell i.
+// Row layout (8-byte words): seq, tag, step, time, mask[mask_words], value[columns] (binary64).
+// Keep this file within PTX ISA 7.0 (sm_70): scripts/gen_ptx.py lowers the target for old drivers,
+// which is why bf16 is converted by hand rather than with cvt.f32.bf16 (an sm_90 instruction).
+
+typedef unsigned long long u64;
+
+struct Cell {
+    u64 bits;           // device address, or the value itself (binary64 bits) for kind 0
+    unsigned column;
+    unsigned kind;      // enum sl_kind in csrc/syncless.h
+};
+
+template <int K>
+struct Args {
+    u64 ring;           // row 0 of the ring
+    u64 counter;        // address of the 64-bit write counter
+    u64 tag;            // the host's call id (bit 63: the call was captured into a graph)
+    long long step;
+    double time;
+    unsigned capacity;  // rows
+    unsigned row_words;
+    unsigned mask_words;
+    unsigned n;         // cells used in this launch
+    Cell cell[K];
+};
+
+__device__ double load(const Cell &c) {
+    const void *p = (const void *)c.bits;
+    switch (c.kind) {
+    case 0: return __longlong_as_double((long long)c.bits);
+    case 1: {
+        unsigned short h = *(const unsigned short *)p;
+        float f;
+        asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+        return f;
+    }
+    case 2: return __int_as_float((int)(*(const unsigned short *)p) << 16);
+    case 3: return *(const float *)p;
+    case 4: return *(const double *)p;
+    case 5: return *(const signed char *)p;
+    case 6: return *(const short *)p;
+    case 7: return *(const int *)p;
+    case 8: return (double)*(const long long *)p;
+    case 9: return *(const unsigned char *)p;
+    case 10: return *(const unsigned short *)p;
+    case 11: return *(const unsigned *)p;
+    case 12: return (double)*(const u64 *)p;
+    case 13: return *(const unsigned char *)p ? 1.0 : 0.0;
+    }
+    return __longlong_as_double(0x7ff8dead00000000ll);   // unreachable: the host checks kinds
+}
+
+template <int K>
+__device__ void gather(const Args<K> &a) {
+    u64 *counter = (u64 *)a.counter;
+    const u64 seq = *counter;
+    u64 *row = (u64 *)a.ring + (seq % a.capacity) * a.row_words;
+    const unsigned t = threadIdx.x;
+    if (t < a.mask_words) row[4 + t] = 0;
+    if (t == 0) {
+        row[0] = seq;
+        row[1] = a.tag;
+        row[2] = (u64)a.step;
+        row[3] = (u64)__double_as_longlong(a.time);
+    }
+    __syncthreads();
+    if (t < a.n) {
+        const Cell c = a.cell[t];
+        row[4 + a.mask_words + c.column] = (u64)__double_as_longlong(load(c));
+        atomicOr(&row[4 + c.column / 64], 1ull << (c.column % 64));
+    }
+    __syncthreads();
+    if (t == 0) *counter = seq + 1;
+}
+
+// Three parameter-block sizes, so a call with few metrics does not pay for copying 4 KB of
+// launch parameters. 248 cells fill the classic 4 KB parameter limit.
+extern "C" __global__ void sl_gather8(const Args<8> a) { gather(a); }
+extern "C" __global__ void sl_gather64(const Args<64> a) { gather(a); }
+extern "C" __global__ void sl_gather248(const Args<248> a) { gather(a); }

@@ -1,0 +1,539 @@
+/* The device ring and its host windows: the whole data path of a CUDA logger.
+ *
+ *   Ring.gather(metrics, columns, tag, step, time)  one kernel launch writes one row
+ *   Ring.copy_to(window)                            one async D2H copy of the ring + one event
+ *   Window.wait() / Window.ready()                  completion, without the training thread
+ *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, {name: value})
+ *
+ * Device memory layout (allocated by torch, handed to us as an address): a 64-byte header whose
+ * first word is the write counter (rows ever written), then `capacity` rows of `row_words` 8-byte
+ * words: seq, tag, step, time, presence mask[mask_words], values[columns] as binary64. */
+#include "syncless.h"
+
+#include <math.h>
+#include <string.h>
+
+#define HEADER_BYTES 64
+#define CAPTURED_TAG (1ull << 63)
+
+typedef struct {
+    uint64_t ring, counter, tag;
+    int64_t step;
+    double time;
+    uint32_t capacity, row_words, mask_words, n;
+    sl_cell cell[248];
+} launch_args;
+
+typedef struct {
+    PyObject_HEAD
+    int device;
+    uint64_t base;           /* device address of the header */
+    uint32_t capacity, columns, mask_words, row_words;
+    CUfunction fn[3];
+    CUstream last_stream;
+    CUevent order;           /* orders the ring across a change of the current stream */
+    int launched;
+} Ring;
+
+typedef struct {
+    PyObject_HEAD
+    int device;
+    char *host;              /* pinned host memory (a torch tensor the Python side keeps alive) */
+    size_t nbytes;
+    CUevent done;
+    uint32_t capacity, columns, mask_words, row_words; /* layout of the ring last copied here */
+    int pending;             /* a copy was enqueued and not yet waited for */
+} Window;
+
+static size_t ring_bytes(uint32_t capacity, uint32_t row_words)
+{
+    return HEADER_BYTES + (size_t)capacity * row_words * 8;
+}
+
+/* ---- Ring ------------------------------------------------------------------------------------ */
+
+static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"device", "address", "capacity", "columns", NULL};
+    int device;
+    unsigned long long address;
+    unsigned capacity, columns;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKII", kwlist, &device, &address, &capacity,
+                                     &columns))
+        return NULL;
+    if (capacity == 0 || columns == 0 || columns % 64) {
+        PyErr_SetString(PyExc_ValueError, "ring needs capacity > 0 and columns a multiple of 64");
+        return NULL;
+    }
+    sl_state *st = sl_type_state(type);
+    if (sl_driver_load(st))
+        return NULL;
+    CUcontext prev;
+    if (sl_enter_device(st, device, &prev))
+        return NULL;
+    Ring *self = (Ring *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL)
+        goto fail;
+    self->device = device;
+    self->base = address;
+    self->capacity = capacity;
+    self->columns = columns;
+    self->mask_words = columns / 64;
+    self->row_words = 4 + self->mask_words + columns;
+    self->last_stream = NULL;
+    self->launched = 0;
+    if (sl_gather_functions(st, device, self->fn) || sl_event_take(st, device, &self->order)) {
+        Py_DECREF(self);
+        self = NULL;
+    }
+fail:
+    sl_leave_device(st, prev);
+    return (PyObject *)self;
+}
+
+static void Ring_dealloc(Ring *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    if (self->order)
+        sl_event_give(sl_type_state(type), self->device, self->order);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(self);
+    Py_DECREF(type);
+}
+
+/* Fill args->cell from a {name: value} dict; names map to columns through `columns`. */
+static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *columns,
+                      launch_args *a)
+{
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    uint32_t n = 0;
+    while (PyDict_Next(metrics, &pos, &name, &value)) {
+        if (n == 248) {
+            PyErr_Format(PyExc_ValueError, "at most 248 metrics per call (got %zd); split them "
+                         "over two calls with the same step", PyDict_Size(metrics));
+            return -1;
+        }
+        PyObject *col = PyDict_GetItemWithError(columns, name); /* borrowed */
+        if (col == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, name);
+            return -1;
+        }
+        sl_metric m;
+        if (sl_metric_read(st, name, value, &m))
+            return -1;
+        if (m.device >= 0 && m.device != self->device) {
+            PyErr_Format(PyExc_ValueError, "metric %R is on cuda:%d but this logger's ring is on "
+                         "cuda:%d; log each device's metrics with its own Logger, or move the "
+                         "value", name, m.device, self->device);
+            return -1;
+        }
+        m.cell.column = (uint32_t)PyLong_AsUnsignedLong(col);
+        if (m.cell.column >= self->columns) {
+            PyErr_SetObject(PyExc_KeyError, name); /* the Python side grows the ring */
+            return -1;
+        }
+        a->cell[n++] = m.cell;
+    }
+    a->n = n;
+    return 0;
+}
+
+/* Returns 1 when the launch was captured into a CUDA graph, else 0. */
+static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "gather(metrics: dict, columns: dict, tag, step, time)");
+        return NULL;
+    }
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    launch_args a;
+    a.tag = PyLong_AsUnsignedLongLong(args[2]);
+    a.step = PyLong_AsLongLong(args[3]);
+    a.time = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred() || read_cells(st, self, args[0], args[1], &a))
+        return NULL;
+
+    CUcontext prev;
+    CUstream stream;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    int capturing = 0, rc = -1;
+    if (sl_current_stream(st, self->device, &stream) ||
+        sl_check(st, st->drv.cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing"))
+        goto done;
+    capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
+    if (capturing) {
+        a.tag |= CAPTURED_TAG;
+    } else if (self->launched && stream != self->last_stream) {
+        /* Rows must land in call order: the new stream waits for the ring's last use. */
+        if (sl_check(st, st->drv.cuEventRecord(self->order, self->last_stream), "cuEventRecord") ||
+            sl_check(st, st->drv.cuStreamWaitEvent(stream, self->order, 0), "cuStreamWaitEvent"))
+            goto done;
+    }
+    a.ring = self->base + HEADER_BYTES;
+    a.counter = self->base;
+    a.capacity = self->capacity;
+    a.row_words = self->row_words;
+    a.mask_words = self->mask_words;
+    int which = a.n <= 8 ? 0 : a.n <= 64 ? 1 : 2;
+    unsigned threads = (a.n > a.mask_words ? a.n : a.mask_words);
+    threads = (threads + 31) / 32 * 32;
+    void *params[1] = {&a};
+    if (sl_check(st, st->drv.cuLaunchKernel(self->fn[which], 1, 1, 1, threads, 1, 1, 0, stream,
+                                            params, NULL),
+                 "cuLaunchKernel (gather)"))
+        goto done;
+    if (!capturing) {
+        self->last_stream = stream;
+        self->launched = 1;
+    }
+    rc = 0;
+done:
+    sl_leave_device(st, prev);
+    if (rc)
+        return NULL;
+    return PyBool_FromLong(capturing);
+}
+
+/* Zero the header and rows on the current stream (once, before the first gather). */
+static PyObject *Ring_clear(Ring *self, PyObject *unused)
+{
+    (void)unused;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUcontext prev;
+    CUstream stream;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    int rc = sl_current_stream(st, self->device, &stream) ||
+             sl_check(st, st->drv.cuMemsetD8Async(self->base, 0,
+                                                  ring_bytes(self->capacity, self->row_words), stream),
+                      "cuMemsetD8Async");
+    sl_leave_device(st, prev);
+    if (rc)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Is the current stream capturing a graph? (Flushes are skipped under capture.) */
+static PyObject *Ring_capturing(Ring *self, PyObject *unused)
+{
+    (void)unused;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUcontext prev;
+    CUstream stream;
+    int status = 0;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    int rc = sl_current_stream(st, self->device, &stream) ||
+             sl_check(st, st->drv.cuStreamIsCapturing(stream, &status), "cuStreamIsCapturing");
+    sl_leave_device(st, prev);
+    if (rc)
+        return NULL;
+    return PyBool_FromLong(status != CU_STREAM_CAPTURE_STATUS_NONE);
+}
+
+static PyObject *Ring_copy_to(Ring *self, PyObject *arg)
+{
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    if (!PyObject_TypeCheck(arg, st->window_type)) {
+        PyErr_SetString(PyExc_TypeError, "copy_to() takes a Window");
+        return NULL;
+    }
+    Window *w = (Window *)arg;
+    size_t n = ring_bytes(self->capacity, self->row_words);
+    if (w->device != self->device || w->nbytes < n) {
+        PyErr_Format(PyExc_ValueError, "window (cuda:%d, %zu bytes) cannot hold this ring "
+                     "(cuda:%d, %zu bytes)", w->device, w->nbytes, self->device, n);
+        return NULL;
+    }
+    if (w->pending) {
+        PyErr_SetString(PyExc_RuntimeError, "window still holds an undelivered copy");
+        return NULL;
+    }
+    CUcontext prev;
+    CUstream stream;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    /* Pinned destination: the copy is truly asynchronous (pageable memory would block). */
+    int rc = sl_current_stream(st, self->device, &stream) ||
+             sl_check(st, st->drv.cuMemcpyDtoHAsync(w->host, self->base, n, stream),
+                      "cuMemcpyDtoHAsync") ||
+             sl_check(st, st->drv.cuEventRecord(w->done, stream), "cuEventRecord");
+    sl_leave_device(st, prev);
+    if (rc)
+        return NULL;
+    if (self->launched && stream != self->last_stream)
+        self->last_stream = stream; /* the copy is the ring's last use now */
+    w->capacity = self->capacity;
+    w->columns = self->columns;
+    w->mask_words = self->mask_words;
+    w->row_words = self->row_words;
+    w->pending = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_get_nbytes(Ring *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(ring_bytes(self->capacity, self->row_words));
+}
+
+static PyObject *Ring_get_columns(Ring *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLong(self->columns);
+}
+
+static PyObject *Ring_get_capacity(Ring *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLong(self->capacity);
+}
+
+static PyObject *Ring_get_device(Ring *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->device);
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"gather", (PyCFunction)(void (*)(void))Ring_gather, METH_FASTCALL,
+     "gather(metrics, columns, tag, step, time) -> captured: enqueue one row (one launch)."},
+    {"clear", (PyCFunction)Ring_clear, METH_NOARGS, "Zero the ring on the current stream."},
+    {"capturing", (PyCFunction)Ring_capturing, METH_NOARGS,
+     "Whether the current stream is capturing a CUDA graph."},
+    {"copy_to", (PyCFunction)Ring_copy_to, METH_O,
+     "Enqueue one async copy of the whole ring into a Window, then its event."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Ring_getset[] = {
+    {"nbytes", (getter)Ring_get_nbytes, NULL, "bytes of device memory the ring needs", NULL},
+    {"columns", (getter)Ring_get_columns, NULL, "metric columns per row", NULL},
+    {"capacity", (getter)Ring_get_capacity, NULL, "rows", NULL},
+    {"device", (getter)Ring_get_device, NULL, "CUDA ordinal", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+/* Layout helper for the Python side, which allocates the memory before the Ring exists. */
+PyObject *sl_ring_nbytes(PyObject *module, PyObject *args)
+{
+    (void)module;
+    unsigned capacity, columns;
+    if (!PyArg_ParseTuple(args, "II", &capacity, &columns))
+        return NULL;
+    return PyLong_FromSize_t(ring_bytes(capacity, 4 + columns / 64 + columns));
+}
+
+/* ---- Window ---------------------------------------------------------------------------------- */
+
+static PyObject *Window_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"device", "address", "nbytes", NULL};
+    int device;
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKn", kwlist, &device, &address, &nbytes))
+        return NULL;
+    sl_state *st = sl_type_state(type);
+    if (sl_driver_load(st))
+        return NULL;
+    Window *self = (Window *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->device = device;
+    self->host = (char *)(uintptr_t)address;
+    self->nbytes = (size_t)nbytes;
+    self->pending = 0;
+    CUcontext prev;
+    if (sl_enter_device(st, device, &prev)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    int rc = sl_event_take(st, device, &self->done);
+    sl_leave_device(st, prev);
+    if (rc) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void Window_dealloc(Window *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    if (self->done)
+        sl_event_give(sl_type_state(type), self->device, self->done);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(self);
+    Py_DECREF(type);
+}
+
+static PyObject *Window_ready(Window *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->pending)
+        Py_RETURN_TRUE;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUresult rc = st->drv.cuEventQuery(self->done);
+    if (rc == CUDA_ERROR_NOT_READY)
+        Py_RETURN_FALSE;
+    if (sl_check(st, rc, "cuEventQuery"))
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* Block this (delivery) thread until the copy landed. The event was created with the
+ * blocking-sync flag, so the thread sleeps instead of spinning a core, and the GIL is released
+ * so the training thread runs on meanwhile. */
+static PyObject *Window_wait(Window *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->pending)
+        Py_RETURN_NONE;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUresult rc = st->drv.cuEventQuery(self->done);
+    if (rc == CUDA_ERROR_NOT_READY) {
+        CUcontext prev;
+        if (sl_enter_device(st, self->device, &prev))
+            return NULL;
+        Py_BEGIN_ALLOW_THREADS
+        rc = st->drv.cuEventSynchronize(self->done);
+        Py_END_ALLOW_THREADS
+        sl_leave_device(st, prev);
+    }
+    if (sl_check(st, rc, "cuEventSynchronize (window copy)"))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* decode(from_seq, names, nonfinite) -> (counter, rows)
+ * rows: [(seq, tag, step, time, {name: value})] for seq in [from_seq, counter) still in the ring;
+ * names[column] is the metric name; nonfinite[name] counts NaN/Inf values. */
+static PyObject *Window_decode(Window *self, PyObject *args)
+{
+    unsigned long long from_seq;
+    PyObject *names, *nonfinite;
+    if (!PyArg_ParseTuple(args, "KO!O!", &from_seq, &PyList_Type, &names, &PyDict_Type,
+                          &nonfinite))
+        return NULL;
+    self->pending = 0;
+    uint64_t counter;
+    memcpy(&counter, self->host, 8);
+    uint64_t first = from_seq;
+    if (counter > self->capacity && first < counter - self->capacity)
+        first = counter - self->capacity;
+    PyObject *rows = PyList_New(0);
+    if (rows == NULL)
+        return NULL;
+    Py_ssize_t nnames = PyList_Size(names);
+    for (uint64_t seq = first; seq < counter; seq++) {
+        const uint64_t *row =
+            (const uint64_t *)(self->host + HEADER_BYTES) + (seq % self->capacity) * self->row_words;
+        if (row[0] != seq)
+            continue; /* not written in stream order before the copy (another stream's write) */
+        const uint64_t *mask = row + 4;
+        const double *values = (const double *)(mask + self->mask_words);
+        PyObject *d = PyDict_New();
+        if (d == NULL)
+            goto error;
+        for (uint32_t c = 0; c < self->columns; c++) {
+            if (!(mask[c / 64] >> (c % 64) & 1))
+                continue;
+            if (c >= (uint32_t)nnames) {
+                Py_DECREF(d);
+                PyErr_Format(PyExc_RuntimeError, "ring row %llu names column %u, unknown",
+                             (unsigned long long)seq, c);
+                goto error;
+            }
+            PyObject *name = PyList_GetItem(names, c); /* borrowed */
+            PyObject *v = PyFloat_FromDouble(values[c]);
+            if (v == NULL || PyDict_SetItem(d, name, v)) {
+                Py_XDECREF(v);
+                Py_DECREF(d);
+                goto error;
+            }
+            Py_DECREF(v);
+            if (!isfinite(values[c])) {
+                PyObject *old = PyDict_GetItemWithError(nonfinite, name);
+                long count = old ? PyLong_AsLong(old) : 0;
+                PyObject *nc = PyLong_FromLong(count + 1);
+                if (nc == NULL || PyDict_SetItem(nonfinite, name, nc)) {
+                    Py_XDECREF(nc);
+                    Py_DECREF(d);
+                    goto error;
+                }
+                Py_DECREF(nc);
+            }
+        }
+        double time;
+        memcpy(&time, &row[3], 8);
+        PyObject *item = Py_BuildValue("(KKLdN)", (unsigned long long)row[0],
+                                       (unsigned long long)row[1], (long long)(int64_t)row[2],
+                                       time, d);
+        if (item == NULL || PyList_Append(rows, item)) {
+            Py_XDECREF(item);
+            goto error;
+        }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(KN)", (unsigned long long)counter, rows);
+error:
+    Py_DECREF(rows);
+    return NULL;
+}
+
+static PyObject *Window_get_pending(Window *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->pending);
+}
+
+static PyMethodDef Window_methods[] = {
+    {"ready", (PyCFunction)Window_ready, METH_NOARGS, "True once the copy landed (no wait)."},
+    {"wait", (PyCFunction)Window_wait, METH_NOARGS,
+     "Sleep until the copy landed (GIL released)."},
+    {"decode", (PyCFunction)Window_decode, METH_VARARGS,
+     "decode(from_seq, names, nonfinite) -> (counter, rows)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Window_getset[] = {
+    {"pending", (getter)Window_get_pending, NULL, "a copy is enqueued and not decoded", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Ring_slots[] = {
+    {Py_tp_new, Ring_new},
+    {Py_tp_dealloc, Ring_dealloc},
+    {Py_tp_methods, Ring_methods},
+    {Py_tp_getset, Ring_getset},
+    {Py_tp_doc, "Ring(device, address, capacity, columns): a logger's device ring."},
+    {0, NULL},
+};
+
+static PyType_Slot Window_slots[] = {
+    {Py_tp_new, Window_new},
+    {Py_tp_dealloc, Window_dealloc},
+    {Py_tp_methods, Window_methods},
+    {Py_tp_getset, Window_getset},
+    {Py_tp_doc, "Window(device, address, nbytes): pinned host memory a ring is copied into."},
+    {0, NULL},
+};
+
+static PyType_Spec Ring_spec = {"syncless._C.Ring", sizeof(Ring), 0, Py_TPFLAGS_DEFAULT,
+                                Ring_slots};
+static PyType_Spec Window_spec = {"syncless._C.Window", sizeof(Window), 0, Py_TPFLAGS_DEFAULT,
+                                  Window_slots};
+
+int sl_ring_init_types(PyObject *module, sl_state *st)
+{
+    st->ring_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Ring_spec, NULL);
+    if (st->ring_type == NULL || PyModule_AddObjectRef(module, "Ring", (PyObject *)st->ring_type))
+        return -1;
+    st->window_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &Window_spec, NULL);
+    if (st->window_type == NULL ||
+        PyModule_AddObjectRef(module, "Window", (PyObject *)st->window_type))
+        return -1;
+    return 0;
+}

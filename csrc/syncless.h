@@ -1,0 +1,168 @@
+/* syncless private header: the CUDA driver and DLPack declarations we use, and the sl_ prototypes.
+ *
+ * Nothing here comes from the CUDA toolkit or torch headers: the types and prototypes are declared
+ * from the CUDA Driver API and DLPack documentation so the extension builds with a C compiler and
+ * the CPython headers alone. The driver is opened with dlopen() on first use, never at import. */
+#ifndef SYNCLESS_H
+#define SYNCLESS_H
+
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030A0000
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* ---- CUDA driver API (subset) ------------------------------------------------------------ */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_NOT_READY = 600,
+};
+enum { CU_EVENT_BLOCKING_SYNC = 0x1, CU_EVENT_DISABLE_TIMING = 0x2 };
+enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
+enum { CU_STREAM_CAPTURE_MODE_RELAXED = 2 };
+
+/* Every entry point we call, resolved once through cuGetProcAddress at the version we were
+ * written against, so a newer driver's changed ABI never reaches us by accident. */
+typedef struct sl_driver {
+    int version;
+    CUresult (*cuGetErrorName)(CUresult, const char **);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+    CUresult (*cuDeviceGetCount)(int *);
+    CUresult (*cuDeviceGet)(CUdevice *, int);
+    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxSetCurrent)(CUcontext);
+    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+    CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                               unsigned, unsigned, CUstream, void **, void **);
+    CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned);
+    CUresult (*cuEventDestroy)(CUevent);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventQuery)(CUevent);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventElapsedTime)(float *, CUevent, CUevent);
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
+    CUresult (*cuStreamIsCapturing)(CUstream, int *);
+} sl_driver;
+
+/* ---- DLPack (v1.x ABI) and torch's C exchange table ---------------------------------------- */
+enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13 };
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+
+/* torch >= 2.10 publishes this table as the capsule Tensor.__dlpack_c_exchange_api__ (named
+ * "dlpack_exchange_api"). Only the two functions we call are typed; both return 0 on success. */
+typedef struct {
+    uint32_t major, minor;
+    void *prev;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(PyObject *, DLTensor *);
+    int (*current_work_stream)(int32_t device_type, int32_t device_id, void **stream);
+} sl_exchange_api;
+
+/* ---- metric values ------------------------------------------------------------------------- */
+/* What the gather kernel reads for one cell; the order is part of the kernel's ABI. */
+enum sl_kind {
+    SL_HOST = 0, /* value carried by the launch itself (a Python number or a CPU tensor) */
+    SL_F16, SL_BF16, SL_F32, SL_F64,
+    SL_I8, SL_I16, SL_I32, SL_I64,
+    SL_U8, SL_U16, SL_U32, SL_U64,
+    SL_BOOL,
+};
+
+typedef struct {
+    uint64_t bits;      /* device address, or the host value as IEEE-754 binary64 bits */
+    uint32_t column;
+    uint32_t kind;
+} sl_cell;
+
+typedef struct {
+    sl_cell cell;
+    int device;         /* CUDA ordinal, or -1 for a host value */
+} sl_metric;
+
+/* ---- module state -------------------------------------------------------------------------- */
+#define SL_MAX_DEVICES 64
+
+typedef struct {
+    PyTypeObject *ring_type;
+    PyTypeObject *window_type;
+    PyTypeObject *timer_type;
+    PyObject *tensor_type;          /* torch.Tensor once registered, else NULL */
+    const sl_exchange_api *xapi;    /* borrowed from the capsule we keep in xapi_capsule */
+    PyObject *xapi_capsule;
+    PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_cuda_str;
+    PyObject *dtype_codes;          /* {torch.dtype: kind} for the fallback path */
+    PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, for the fallback path */
+    /* The driver: loaded on first use. */
+    int driver_state;               /* 0 untried, 1 loaded, -1 failed */
+    void *libcuda;
+    sl_driver drv;
+    CUcontext ctx[SL_MAX_DEVICES];
+    CUmodule module[SL_MAX_DEVICES];
+    CUfunction gather[SL_MAX_DEVICES][3];
+    /* Event pool (timer and windows); events are per device context. */
+    CUevent *pool[SL_MAX_DEVICES];
+    int pool_len[SL_MAX_DEVICES], pool_cap[SL_MAX_DEVICES];
+} sl_state;
+
+sl_state *sl_get_state(PyObject *module);
+sl_state *sl_type_state(PyTypeObject *type);
+
+/* cuda.c */
+int sl_driver_load(sl_state *st);                       /* 0, or -1 with an exception set */
+int sl_check(sl_state *st, CUresult rc, const char *what);   /* 0, or -1 with CudaError set */
+int sl_enter_device(sl_state *st, int device, CUcontext *prev);
+void sl_leave_device(sl_state *st, CUcontext prev);
+int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
+extern PyObject *sl_CudaError;
+
+/* metric.c */
+int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out);
+int sl_current_stream(sl_state *st, int device, CUstream *out);
+
+/* ring.c */
+int sl_ring_init_types(PyObject *module, sl_state *st);
+
+/* events.c */
+int sl_event_take(sl_state *st, int device, CUevent *out);
+void sl_event_give(sl_state *st, int device, CUevent ev);
+int sl_timer_init_types(PyObject *module, sl_state *st);
+void sl_events_clear(sl_state *st);
+
+#endif
