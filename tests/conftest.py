@@ -1,0 +1,40 @@
+"""Shared test setup: the device parametrisation, the `cuda` marker, and a guard that fails any
+test leaving global state behind (sync-debug mode, a live logger)."""
+import gc
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Every behavioural test runs on CPU tensors (CI) and on CUDA tensors (the GPU machine)."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_state():
+    yield
+    if HAS_CUDA:
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        assert mode == 0, "test left torch.cuda sync-debug mode on"
+    from syncless.logger import _live
+    gc.collect()
+    open_loggers = [log for log in _live if not log.closed]
+    for log in open_loggers:
+        log.close()
+    assert not open_loggers, f"test left loggers open: {open_loggers}"
