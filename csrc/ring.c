@@ -5,19 +5,21 @@
  *   Window.wait() / Window.ready()                  completion, without the training thread
  *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, {name: value})
  *
- * Device memory layout (allocated by torch, handed to us as an address): a 64-byte header whose
- * first word is the write counter (rows ever written), then `capacity` rows of `row_words` 8-byte
- * words: seq, tag, step, time, presence mask[mask_words], values[columns] as binary64. */
+ * Device memory layout (allocated by torch, handed to us as an address): a header of 256 words
+ * (word 0: the write counter, rows ever written; words 1..255: replay counters of calls captured
+ * into CUDA graphs), then `capacity` rows of `row_words` 8-byte words: seq, tag, step, time,
+ * presence mask[mask_words], values[columns] as binary64. */
 #include "syncless.h"
 
 #include <math.h>
 #include <string.h>
 
-#define HEADER_BYTES 64
+#define HEADER_BYTES 2048
+#define REPLAY_SLOTS 255
 #define CAPTURED_TAG (1ull << 63)
 
 typedef struct {
-    uint64_t ring, counter, tag;
+    uint64_t ring, counter, tag, replays;
     int64_t step;
     double time;
     uint32_t capacity, row_words, mask_words, n;
@@ -33,6 +35,7 @@ typedef struct {
     CUstream last_stream;
     CUevent order;           /* orders the ring across a change of the current stream */
     int launched;
+    int captured_calls;      /* replay counters handed out */
 } Ring;
 
 typedef struct {
@@ -82,6 +85,7 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     self->row_words = 4 + self->mask_words + columns;
     self->last_stream = NULL;
     self->launched = 0;
+    self->captured_calls = 0;
     if (sl_gather_functions(st, device, self->fn) || sl_event_take(st, device, &self->order)) {
         Py_DECREF(self);
         self = NULL;
@@ -149,6 +153,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     sl_state *st = sl_type_state(Py_TYPE(self));
     launch_args a;
     a.tag = PyLong_AsUnsignedLongLong(args[2]);
+    a.replays = 0;
     a.step = PyLong_AsLongLong(args[3]);
     a.time = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred() || read_cells(st, self, args[0], args[1], &a))
@@ -164,7 +169,13 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
     if (capturing) {
+        if (self->captured_calls == REPLAY_SLOTS) {
+            PyErr_Format(PyExc_RuntimeError, "at most %d log() calls of one Logger can be "
+                         "captured into CUDA graphs", REPLAY_SLOTS);
+            goto done;
+        }
         a.tag |= CAPTURED_TAG;
+        a.replays = self->base + 8 * (uint64_t)(1 + self->captured_calls++);
     } else if (self->launched && stream != self->last_stream) {
         /* Rows must land in call order: the new stream waits for the ring's last use. */
         if (sl_check(st, st->drv.cuEventRecord(self->order, self->last_stream), "cuEventRecord") ||

@@ -3,6 +3,8 @@
 // The row index comes from a counter in device memory, not from the host, so a CUDA graph that
 // captured the launch appends a fresh row on every replay. One block; thread i handles cell i.
 // Row layout (8-byte words): seq, tag, step, time, mask[mask_words], value[columns] (binary64).
+// A launch captured into a graph also gets a replay counter of its own (`replays`): replay k of
+// a call captured at step s writes step s + k, exact even when older rows were overwritten.
 // Keep this file within PTX ISA 7.0 (sm_70): scripts/gen_ptx.py lowers the target for old drivers,
 // which is why bf16 is converted by hand rather than with cvt.f32.bf16 (an sm_90 instruction).
 
@@ -19,6 +21,7 @@ struct Args {
     u64 ring;           // row 0 of the ring
     u64 counter;        // address of the 64-bit write counter
     u64 tag;            // the host's call id (bit 63: the call was captured into a graph)
+    u64 replays;        // address of this captured call's replay counter, or 0
     long long step;
     double time;
     unsigned capacity;  // rows
@@ -64,7 +67,13 @@ __device__ void gather(const Args<K> &a) {
     if (t == 0) {
         row[0] = seq;
         row[1] = a.tag;
-        row[2] = (u64)a.step;
+        long long step = a.step;
+        if (a.replays) {
+            u64 *k = (u64 *)a.replays;
+            step += (long long)*k;
+            *k += 1;
+        }
+        row[2] = (u64)step;
         row[3] = (u64)__double_as_longlong(a.time);
     }
     __syncthreads();

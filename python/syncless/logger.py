@@ -33,6 +33,7 @@ __all__ = ["Logger", "Row", "LoggerStats"]
 _log = logging.getLogger("syncless")
 
 _CAPTURED = 1 << 63
+_MAX_PER_CALL = 248          # cells in the largest gather kernel's parameter block
 _COLUMN_BLOCK = 64           # the ring grows its columns in blocks of 64 (one mask word)
 
 # CUDA graphs that captured a gather keep writing into that ring on every replay, even after
@@ -146,7 +147,6 @@ class Logger:
         self._nonfinite: dict[str, int] = {}
         self._sink_errors = 0
         self._failed_sinks: set[int] = set()
-        self._replays: dict[int, int] = {}
         self.latest: dict[str, float] = {}
         self.latest_step = -1
         _live.add(self)
@@ -181,6 +181,9 @@ class Logger:
                 self._add_columns(metrics)
                 captured = self._gen.ring.gather(metrics, self._columns, tag, step, now)
         else:
+            if len(metrics) > _MAX_PER_CALL:                # the same limit as the kernel's
+                raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
+                                 "split them over two calls with the same step")
             device, values = _C.values(metrics)
             if values is None:                       # the first CUDA metric binds the ring
                 self._bind(device)
@@ -348,15 +351,10 @@ class Logger:
         oldest = max(gen.next_seq, counter - gen.ring.capacity)
         self._lost += oldest - gen.next_seq
         gen.next_seq = counter
-        rows = []
-        for _seq, tag, step, t, values in raw:
-            if tag & _CAPTURED:
-                # A graph replay: the k-th replay of a call captured at step s is step s + k;
-                # the host saw no call, so the time is that of the flush that found the row.
-                k = self._replays.get(tag, 0)
-                self._replays[tag] = k + 1
-                step, t = step + k, flushed_at
-            rows.append(Row(step, t, values))
+        # A graph replay's step was computed on the device (capture step + replay index); the
+        # host saw no call, so its time is that of the flush that found the row.
+        rows = [Row(step, flushed_at if tag & _CAPTURED else t, values)
+                for _seq, tag, step, t, values in raw]
         return rows
 
     def _emit(self, rows: list[Row]) -> None:

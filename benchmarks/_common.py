@@ -1,0 +1,228 @@
+"""Shared helpers: the run context, interleaved rounds, medians and spread, environment facts,
+and the JSON / markdown writers. No benchmark logic lives here."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+@dataclass
+class Ctx:
+    """What every section receives: where to run, how long to spend, and where to leave notes."""
+    device: torch.device
+    quick: bool = False
+    seed: int = 0
+    notes: list = field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def note(self, text: str) -> None:
+        print(f"  note: {text}", flush=True)
+        self.notes.append(text)
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def quantile(xs: Iterable[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default method), q in [0, 1]."""
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = (len(s) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(xs: Iterable[float]) -> dict:
+    """Median with the interquartile range and the extremes: the spread shown beside a number."""
+    s = [float(x) for x in xs if x is not None and not math.isnan(x)]
+    if not s:
+        return {"n": 0, "median": None, "p25": None, "p75": None, "min": None, "max": None}
+    return {"n": len(s), "median": quantile(s, 0.5), "p25": quantile(s, 0.25),
+            "p75": quantile(s, 0.75), "min": min(s), "max": max(s)}
+
+
+def paired_ratios(values: dict, name: str, base: str) -> list[float]:
+    """Per-round ratio of a variant to the baseline measured in the same round. Pairing by round
+    removes slow drift (clocks, thermals, other tenants) that a ratio of medians would keep."""
+    return [v / b for v, b in zip(values[name], values[base]) if v and b]
+
+
+def beyond_spread(ratio: dict) -> bool:
+    """True when the interquartile range of a ratio excludes 1: a difference worth claiming."""
+    if not ratio or ratio.get("n", 0) < 3:
+        return False
+    return ratio["p25"] > 1.0 or ratio["p75"] < 1.0
+
+
+def interleave(variants: dict[str, Callable[[], float]], rounds: int, rng: random.Random,
+               errors: dict | None = None) -> dict[str, list[float]]:
+    """Run each variant once per round, in a fresh random order each round; collect what each
+    call returns (a time). A variant that raises is recorded in `errors` and dropped."""
+    errors = {} if errors is None else errors
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    live = [name for name in variants if name not in errors]
+    for _ in range(rounds):
+        order = live[:]
+        rng.shuffle(order)
+        for name in order:
+            if name in errors:
+                continue
+            try:
+                out[name].append(variants[name]())
+            except Exception as exc:                      # record it, keep the suite going
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                print(f"  ! {name} failed: {errors[name]}", flush=True)
+        live = [n for n in live if n not in errors]
+    return out
+
+
+def clock() -> float:
+    return time.perf_counter()
+
+
+# ---- environment ---------------------------------------------------------------------------------
+
+def _nvidia_smi(field_: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field_}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def env_info(device: torch.device, argv: list[str]) -> dict:
+    info = {
+        "date": _dt.date.today().isoformat(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks.run", *argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
+    try:
+        import syncless
+        info["syncless"] = getattr(syncless, "__version__", "?")
+    except Exception as exc:
+        info["syncless"] = f"import failed: {exc}"
+    try:
+        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+        info["cuda_runtime"] = torch.version.cuda
+        info["driver"] = _nvidia_smi("driver_version")
+        try:
+            v = torch._C._cuda_getDriverVersion()           # e.g. 13000 -> CUDA driver API 13.0
+            info["driver_cuda_api"] = f"{v // 1000}.{(v % 1000) // 10}"
+        except Exception:
+            pass
+    else:
+        info["gpu"] = "cpu"
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s or "unknown"
+
+
+# ---- formatting ----------------------------------------------------------------------------------
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    def line(r):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def pct(ratio: float | None, digits: int = 1) -> str:
+    """A ratio as a signed percentage change: 1.088 -> '+8.8%'."""
+    if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
+        return "n/a"
+    return f"{(ratio - 1) * 100:+.{digits}f}%"
+
+
+def pct_spread(s: dict | None) -> str:
+    """Median change with its interquartile range: '+8.8% [+6.1, +11.0]'."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    return (f"{pct(s['median'])} [{(s['p25'] - 1) * 100:+.1f}, {(s['p75'] - 1) * 100:+.1f}]")
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if x == 0:
+        return "0"
+    mag = abs(x)
+    if mag >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def num_spread(s: dict | None, scale: float = 1.0, digits: int = 3) -> str:
+    """'12.3 [11.9–12.8]': median with its interquartile range."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    return (f"{num(s['median'] * scale, digits)} "
+            f"[{num(s['p25'] * scale, digits)}–{num(s['p75'] * scale, digits)}]")
+
+
+def clean(o: Any) -> Any:
+    """JSON-safe copy: NaN/Inf become null, tuples lists, anything unknown its str()."""
+    if isinstance(o, dict):
+        return {str(k): clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [clean(v) for v in o]
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if o is None or isinstance(o, (bool, int, str)):
+        return o
+    return str(o)
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(clean(data), f, indent=1, allow_nan=False)
+        f.write("\n")

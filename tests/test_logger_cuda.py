@@ -1,0 +1,145 @@
+"""What only a GPU can prove: zero syncs, one launch per call, graph replay, stream order."""
+import pytest
+import torch
+
+import syncless
+
+pytestmark = pytest.mark.cuda
+
+
+class Collect:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, rows):
+        self.rows.extend((r.step, dict(r.values)) for r in rows)
+
+
+@pytest.fixture
+def no_syncs():
+    """Any host-device sync torch can see raises inside the block."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_thousands_of_calls_with_flushes_never_sync(no_syncs):
+    sink = Collect()
+    x = torch.randn(256, 256, device="cuda")
+    log = syncless.Logger(every=100, sinks=sink, device="cuda")
+    for step in range(3000):
+        y = x @ x
+        loss = y.mean()
+        log(loss=loss, acc=(y > 0).float().mean(), gn=y.norm(), lr=1e-3)
+        if step % 700 == 0:
+            log.flush(wait=False)
+    torch.cuda.set_sync_debug_mode(0)
+    log.close()
+    assert [s for s, _ in sink.rows] == list(range(3000))
+    ref = (x @ x)
+    assert sink.rows[-1][1]["loss"] == pytest.approx(float(ref.mean()), rel=1e-6)
+    assert sink.rows[-1][1]["lr"] == 1e-3
+
+
+def test_one_kernel_launch_per_call_whatever_the_number_of_metrics():
+    from torch.profiler import ProfilerActivity, profile
+    values = [torch.full((), float(i), device="cuda") for i in range(64)]
+    with syncless.Logger(every=1000, device="cuda") as log:
+        log.log({f"m{i}": v for i, v in enumerate(values)})      # warm: JIT, ring allocation
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for k in (1, 4, 16, 64):
+                for _ in range(10):
+                    log.log({f"m{i}": values[i] for i in range(k)})
+            torch.cuda.synchronize()
+    launches = [e for e in prof.events() if e.name.startswith("sl_gather")]
+    assert len(launches) == 40
+
+
+def test_graph_replay_appends_one_row_per_replay():
+    sink = Collect()
+    static_x = torch.zeros((), device="cuda")
+    log = syncless.Logger(every=10, sinks=sink, device="cuda", capacity=64)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                                   # warm-up, as torch requires
+        for _ in range(3):
+            log(x=static_x * 2)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        log(x=static_x * 2)                                      # captured at step 3
+    for i in range(25):
+        static_x.fill_(float(i))
+        g.replay()
+        if i % 20 == 19:
+            log.flush(wait=False)
+    log.close()
+    assert [s for s, _ in sink.rows] == [0, 1, 2] + [3 + i for i in range(25)]
+    assert [v["x"] for _, v in sink.rows[3:]] == [2.0 * i for i in range(25)]
+    assert log.stats.lost == 0
+
+
+def test_graph_replays_beyond_capacity_are_counted_as_lost():
+    sink = Collect()
+    x = torch.ones((), device="cuda")
+    log = syncless.Logger(every=4, sinks=sink, device="cuda", capacity=8)
+    log(x=x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        log(x=x)
+    for _ in range(20):
+        g.replay()
+    log.close()
+    # one eager row + 20 replays, one flush at close: the ring keeps the newest 8 rows
+    assert log.stats.lost == 21 - 8
+    assert [s for s, _ in sink.rows] == [1 + k for k in range(12, 20)]
+
+
+def test_first_cuda_log_inside_capture_is_a_clear_error():
+    log = syncless.Logger(every=4)
+    x = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before capture"):
+        with torch.cuda.graph(g):
+            log(x=x)
+    log.close()
+
+
+def test_rows_stay_in_call_order_across_streams():
+    sink = Collect()
+    side = torch.cuda.Stream()
+    with syncless.Logger(every=7, sinks=sink, device="cuda") as log:
+        for i in range(40):
+            stream = side if i % 3 == 0 else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(20000 if i % 3 == 0 else 10)  # the side stream lags
+                log(x=torch.full((), float(i), device="cuda"))
+    assert [v["x"] for _, v in sink.rows] == [float(i) for i in range(40)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_metric_on_another_gpu_is_refused_and_nothing_is_lost():
+    sink = Collect()
+    with syncless.Logger(every=3, sinks=sink, device="cuda:0") as log:
+        log(x=torch.ones((), device="cuda:0"))
+        with pytest.raises(ValueError, match="metric 'y' is on cuda:1 but this logger's ring is on cuda:0"):
+            log(x=torch.ones((), device="cuda:0"), y=torch.ones((), device="cuda:1"))
+        log(x=torch.full((), 2.0, device="cuda:0"))
+    assert sink.rows == [(0, {"x": 1.0}), (1, {"x": 2.0})]
+
+
+def test_host_rows_before_the_first_cuda_metric_keep_their_order():
+    sink = Collect()
+    with syncless.Logger(every=4, sinks=sink) as log:
+        log(x=1.0)
+        log(x=torch.tensor(2.0))
+        log(x=torch.tensor(3.0, device="cuda"))                 # binds the ring
+        log(x=4.0)
+    assert sink.rows == [(i, {"x": float(i + 1)}) for i in range(4)]
+    assert log.device == torch.device("cuda", 0)
