@@ -128,7 +128,8 @@ static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
 {
     (void)unused;
     if (self->state != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "stop() before start()");
+        PyErr_SetString(PyExc_RuntimeError,
+                        self->state == 0 ? "stop() before start()" : "stop() called twice");
         return NULL;
     }
     return record(self, self->stop, 2);
@@ -148,28 +149,62 @@ static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
     Py_RETURN_TRUE;
 }
 
-/* Milliseconds between the two events; waits (GIL released, sleeping) for the stop event first,
- * so the number can never be read early. */
+/* Milliseconds between the two events, or NULL with *not_ready set when the end event has not
+ * completed (no exception then). The device's context is made current because these calls may
+ * come from a thread torch never touched (the logger's delivery thread). */
+static PyObject *read_elapsed(EventPair *self, int wait, int *not_ready)
+{
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUcontext prev;
+    float ms = 0;
+    *not_ready = 0;
+    if (sl_enter_device(st, self->device, &prev))
+        return NULL;
+    CUresult rc = st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
+    if (rc == CUDA_ERROR_NOT_READY && wait) {
+        /* The events were made with the blocking-sync flag: this thread sleeps, and the GIL is
+         * released so the training thread keeps running meanwhile. */
+        Py_BEGIN_ALLOW_THREADS
+        rc = st->drv.cuEventSynchronize(self->stop);
+        Py_END_ALLOW_THREADS
+        if (rc == CUDA_SUCCESS)
+            rc = st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
+    }
+    sl_leave_device(st, prev);
+    if (rc == CUDA_ERROR_NOT_READY && !wait) {
+        *not_ready = 1;
+        return NULL;
+    }
+    if (sl_check(st, rc, "cuEventElapsedTime"))
+        return NULL;
+    return PyFloat_FromDouble(ms);
+}
+
+/* Milliseconds between the two events; waits for the end event first, so the number can never
+ * be read early. One driver call when the end event already completed. */
 static PyObject *EventPair_elapsed(EventPair *self, PyObject *unused)
 {
     (void)unused;
+    int not_ready;
     if (self->state != 2) {
         PyErr_SetString(PyExc_RuntimeError, "the timed block has not ended yet");
         return NULL;
     }
-    sl_state *st = sl_type_state(Py_TYPE(self));
-    CUresult rc = st->drv.cuEventQuery(self->stop);
-    if (rc == CUDA_ERROR_NOT_READY) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = st->drv.cuEventSynchronize(self->stop);
-        Py_END_ALLOW_THREADS
-    }
-    float ms = 0;
-    if (sl_check(st, rc, "cuEventSynchronize") ||
-        sl_check(st, st->drv.cuEventElapsedTime(&ms, self->start, self->stop),
-                 "cuEventElapsedTime"))
-        return NULL;
-    return PyFloat_FromDouble(ms);
+    return read_elapsed(self, 1, &not_ready);
+}
+
+/* The same without waiting: None while the end event has not completed. One driver call
+ * (cuEventElapsedTime itself reports NOT_READY), cheaper than query + elapsed. */
+static PyObject *EventPair_poll(EventPair *self, PyObject *unused)
+{
+    (void)unused;
+    int not_ready;
+    if (self->state != 2)
+        Py_RETURN_NONE;
+    PyObject *ms = read_elapsed(self, 0, &not_ready);
+    if (ms == NULL && not_ready)
+        Py_RETURN_NONE;
+    return ms;
 }
 
 static PyMethodDef EventPair_methods[] = {
@@ -178,6 +213,8 @@ static PyMethodDef EventPair_methods[] = {
     {"ready", (PyCFunction)EventPair_ready, METH_NOARGS, "True once the end event completed."},
     {"elapsed", (PyCFunction)EventPair_elapsed, METH_NOARGS,
      "GPU milliseconds, waiting for the end event first."},
+    {"poll", (PyCFunction)EventPair_poll, METH_NOARGS,
+     "GPU milliseconds if the end event completed, else None; never waits."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -443,6 +443,11 @@ class Logger:
         return self._closed
 
     @property
+    def last_step(self) -> int:
+        """The step of the last log() call; -1 before the first."""
+        return self._last_step
+
+    @property
     def stats(self) -> LoggerStats:
         return LoggerStats(self._calls, self._delivered, self._windows, self._waits,
                            dict(self._nonfinite), self._lost, self._sink_errors)
