@@ -19,7 +19,16 @@ setup(
             extra_link_args=["-ldl"] + (["-fsanitize=address,undefined"] if os.environ.get("SYNCLESS_SANITIZE") else []),
             define_macros=[("Py_LIMITED_API", "0x030A0000")],
             py_limited_api=True,
-        )
+        ),
+        # The sync finder (syncless.doctor.audit): CUPTI's callback API, opened at run time.
+        Extension(
+            "syncless._cupti",
+            sources=[os.path.join("csrc", "cupti.c")],
+            extra_compile_args=flags,
+            extra_link_args=["-ldl", "-pthread"] + (["-fsanitize=address,undefined"] if os.environ.get("SYNCLESS_SANITIZE") else []),
+            define_macros=[("Py_LIMITED_API", "0x030A0000")],
+            py_limited_api=True,
+        ),
     ],
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )
