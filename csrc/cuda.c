@@ -95,9 +95,12 @@ int sl_check(sl_state *st, CUresult rc, const char *what)
     return -1;
 }
 
-/* Make the device's primary context (torch's) current for a driver call; `prev` restores it. */
+/* Make the device's primary context (torch's) current for a driver call. `prev` receives the
+ * context to restore, or NULL when nothing changed (the common case: torch already made it
+ * current), so sl_leave_device costs no driver call then. */
 int sl_enter_device(sl_state *st, int device, CUcontext *prev)
 {
+    *prev = NULL;
     if (device < 0 || device >= SL_MAX_DEVICES) {
         PyErr_Format(PyExc_ValueError, "syncless: CUDA device %d out of range", device);
         return -1;
@@ -109,19 +112,20 @@ int sl_enter_device(sl_state *st, int device, CUcontext *prev)
                      "cuDevicePrimaryCtxRetain"))
             return -1;
     }
-    if (sl_check(st, st->drv.cuCtxGetCurrent(prev), "cuCtxGetCurrent"))
+    CUcontext now;
+    if (sl_check(st, st->drv.cuCtxGetCurrent(&now), "cuCtxGetCurrent"))
         return -1;
-    if (*prev != st->ctx[device] &&
-        sl_check(st, st->drv.cuCtxSetCurrent(st->ctx[device]), "cuCtxSetCurrent"))
-        return -1;
+    if (now != st->ctx[device]) {
+        if (sl_check(st, st->drv.cuCtxSetCurrent(st->ctx[device]), "cuCtxSetCurrent"))
+            return -1;
+        *prev = now;
+    }
     return 0;
 }
 
 void sl_leave_device(sl_state *st, CUcontext prev)
 {
-    CUcontext now = NULL;
-    st->drv.cuCtxGetCurrent(&now);
-    if (prev != NULL && prev != now)
+    if (prev != NULL)
         st->drv.cuCtxSetCurrent(prev);
 }
 

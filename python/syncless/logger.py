@@ -134,6 +134,7 @@ class Logger:
         self._host_rows: list[Row] = []
         self._device = -1
         self._gen: _Generation | None = None
+        self._ring = None                     # self._gen.ring, kept at hand for the hot path
         self._free: list[_Window] = []
         self._outstanding = 0                 # windows handed to the delivery thread
         self._cond = threading.Condition()
@@ -167,31 +168,23 @@ class Logger:
         self.log(metrics, step)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log one row: {name: value} at `step` (default: the step after the last one)."""
         if self._closed:
             raise ValueError("this Logger is closed; create a new one to log again")
         if type(metrics) is not dict:
             metrics = dict(metrics)
-        step = self._take_step(step)
-        tag = self._calls
-        now = time.time()
-        if self._gen is not None:
+        step = self._next_step if step is None else self._take_step(step)
+        ring = self._ring
+        if ring is not None:
             try:
-                captured = self._gen.ring.gather(metrics, self._columns, tag, step, now)
+                captured = ring.gather(metrics, self._columns, self._calls, step, time.time())
             except KeyError:
                 self._add_columns(metrics)
-                captured = self._gen.ring.gather(metrics, self._columns, tag, step, now)
+                captured = self._ring.gather(metrics, self._columns, self._calls, step,
+                                             time.time())
         else:
-            if len(metrics) > _MAX_PER_CALL:                # the same limit as the kernel's
-                raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
-                                 "split them over two calls with the same step")
-            device, values = _C.values(metrics)
-            if values is None:                       # the first CUDA metric binds the ring
-                self._bind(device)
-                self.log(metrics, step)
-                return
-            self._add_columns(metrics)
-            self._host_rows.append(Row(step, now, values))
-            captured = False
+            self._log_host(metrics, step)
+            return
         self._calls += 1
         self._next_step = step + 1
         self._last_step = step
@@ -200,6 +193,25 @@ class Logger:
             return                                   # nothing else may happen under capture
         self._since_flush += 1
         if self._since_flush >= self.every or self._flush_due:
+            self._flush_window()
+
+    def _log_host(self, metrics: dict, step: int) -> None:
+        """Before any CUDA metric: values are read now and kept as host rows."""
+        if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
+            raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
+                             "split them over two calls with the same step")
+        device, values = _C.values(metrics)
+        if values is None:                               # the first CUDA metric binds the ring
+            self._bind(device)
+            self.log(metrics, step)
+            return
+        self._add_columns(metrics)
+        self._host_rows.append(Row(step, time.time(), values))
+        self._calls += 1
+        self._next_step = step + 1
+        self._last_step = step
+        self._since_flush += 1
+        if self._since_flush >= self.every:
             self._flush_window()
 
     def _take_step(self, step: Any) -> int:
@@ -242,6 +254,7 @@ class Logger:
             self._hand_over_host_rows()
             columns = max(_COLUMN_BLOCK, -(-len(self._names) // _COLUMN_BLOCK) * _COLUMN_BLOCK)
             self._gen = _Generation(device, self.capacity, columns)
+            self._ring = self._gen.ring
         self._device = device
 
     def _grow(self, needed: int) -> None:
@@ -255,6 +268,7 @@ class Logger:
                 self._flush_window()
             columns = -(-needed // _COLUMN_BLOCK) * _COLUMN_BLOCK * 2
             self._gen = _Generation(self._device, self.capacity, columns)
+            self._ring = self._gen.ring
             self._free = []                          # old windows are too small; let them go
 
     def _take_window(self) -> _Window:
@@ -428,7 +442,7 @@ class Logger:
                         self._sink_failed(i, sink, exc)
             if self._gen is not None and self._gen.captured:
                 _captured_rings.append(self._gen.memory)
-            self._gen = None
+            self._gen = self._ring = None
             self._free = []
             _live.discard(self)
 

@@ -145,24 +145,27 @@ def _missing(package: str, extra: str) -> ImportError:
 
 
 class TensorBoard:
-    """Write every row as scalars to a TensorBoard event file, at its step and wall time.
-    Pass a log directory or an existing SummaryWriter (torch's or tensorboardX's)."""
+    """Write every row as scalars to a TensorBoard event file, at its step and wall time (the
+    host time of the log() call). Pass a log directory (extra keyword arguments go to torch's
+    SummaryWriter) or an existing writer: torch's, tensorboardX's or syncless.tensorboard's."""
 
     def __init__(self, log_dir: str | os.PathLike | Any = None, **writer_kwargs: Any):
         if log_dir is not None and hasattr(log_dir, "add_scalar"):
             self.writer, self._owned = log_dir, False
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise _missing("tensorboard", "tensorboard") from exc
-        self.writer, self._owned = SummaryWriter(log_dir, **writer_kwargs), True
+        else:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise _missing("tensorboard", "tensorboard") from exc
+            self.writer, self._owned = SummaryWriter(log_dir, **writer_kwargs), True
+        # A syncless writer would defer these floats a second time; write them directly.
+        self._add = getattr(self.writer, "_write_scalar", self.writer.add_scalar)
 
     def write(self, rows) -> None:
-        add = self.writer.add_scalar
+        add = self._add
         for r in rows:
             for name, v in r.values.items():
-                add(name, v, global_step=r.step, walltime=r.time)
+                add(name, v, r.step, r.time)
 
     def flush(self) -> None:
         self.writer.flush()
@@ -178,7 +181,10 @@ class TensorBoard:
 
 
 class WandB:
-    """Log every row to a W&B run (the active one by default) at its step."""
+    """Log every row to a W&B run (the active one at delivery by default) at its step, with
+    `_timestamp` the host time of the log() call. The logger's steps become the run's steps:
+    wandb ignores a step below the run's current one, so let the logger own the step count.
+    Consecutive rows of one step go in one run.log call. The run is not finished on close()."""
 
     def __init__(self, run: Any = None):
         try:
@@ -198,9 +204,16 @@ class WandB:
 
     def write(self, rows) -> None:
         run = self.run
+        step, data = None, {}
         for r in rows:
-            run.log(dict(r.values), step=r.step)
+            if r.step != step and data:
+                run.log(data, step=step)
+                data = {}
+            step = r.step
+            data.update(r.values)
+            data["_timestamp"] = r.time
+        if data:
+            run.log(data, step=step)
 
     def __repr__(self) -> str:
         return "WandB()"
-

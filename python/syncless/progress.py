@@ -1,0 +1,78 @@
+"""A tqdm progress bar whose postfix shows logged metrics without ever reading a tensor.
+
+    log = syncless.Logger(every=50)
+    for batch in syncless.tqdm(loader, log=log):      # was: tqdm(loader) + set_postfix(loss=...)
+        ...
+        log(loss=loss)
+
+The postfix is built only when tqdm redraws (at most every `mininterval` seconds), from
+`log.latest`: the values the logger has already delivered, so it runs `every` steps or so behind
+the loop and costs nothing per iteration. `log` can be a syncless.Logger, a
+syncless.tensorboard.SummaryWriter, the syncless.wandb module, or anything with a `latest` dict.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+__all__ = ["tqdm"]
+
+_classes: dict[str, type] = {}
+
+
+def _bar_class() -> type:
+    cls = _classes.get("tqdm")
+    if cls is not None:
+        return cls
+    try:
+        from tqdm.auto import tqdm as base
+    except ImportError as exc:
+        raise ImportError("syncless.tqdm needs tqdm: pip install syncless[progress]") from exc
+
+    class SynclessTqdm(base):
+        """tqdm, plus log=, keys= and fmt=; the postfix follows log.latest."""
+
+        def __init__(self, *args: Any, log: Any = None, keys: Sequence[str] | None = None,
+                     fmt: str = ".4g", **kwargs: Any):
+            self._sl_log = log
+            self._sl_keys = tuple(keys) if keys is not None else None
+            self._sl_fmt = fmt
+            self._sl_seen: Any = None
+            super().__init__(*args, **kwargs)
+
+        def _sl_update_postfix(self) -> None:
+            log = getattr(self, "_sl_log", None)
+            if log is None:
+                return
+            latest = dict(log.latest)            # one C-level copy: the delivery thread writes it
+            if latest == self._sl_seen:
+                return
+            self._sl_seen = latest
+            keys = self._sl_keys if self._sl_keys is not None else latest
+            fmt = self._sl_fmt
+            parts = []
+            for key in keys:
+                if key in latest:
+                    value = latest[key]
+                    text = format(value, fmt) if isinstance(value, float) else str(value)
+                    parts.append(f"{key}={text}")
+            step = getattr(log, "latest_step", None)
+            if isinstance(step, int) and step >= 0 and parts:
+                parts.append(f"@{step}")
+            self.postfix = ", ".join(parts)
+
+        def display(self, *args: Any, **kwargs: Any) -> Any:
+            self._sl_update_postfix()
+            return super().display(*args, **kwargs)
+
+    _classes["tqdm"] = SynclessTqdm
+    return SynclessTqdm
+
+
+def tqdm(iterable: Iterable | None = None, *args: Any, log: Any = None,
+         keys: Sequence[str] | None = None, fmt: str = ".4g", **kwargs: Any) -> Any:
+    """`tqdm.auto.tqdm(iterable, ...)` whose postfix shows `log.latest` (a few steps late).
+
+    keys: which metrics to show, in order (default: all, in order of first delivery).
+    fmt: format spec for float values.
+    """
+    return _bar_class()(iterable, *args, log=log, keys=keys, fmt=fmt, **kwargs)

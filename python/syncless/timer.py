@@ -1,0 +1,693 @@
+"""GPU time that is never read early, with the host time beside it.
+
+    with syncless.timer() as t:          # a CUDA event pair on torch's current stream, or
+        y = model(x)                     # perf_counter when CUDA is not initialised
+    t.ms                                 # waits for the end event, then GPU milliseconds
+    t.cpu_ms                             # host time inside the block (how long enqueuing took)
+
+    @syncless.timer("forward")           # named timers aggregate every use
+    def forward(x): ...
+    syncless.timer("forward").stats      # Stats(count, mean, median, p90, min, max), in ms
+    print(syncless.timers.report())      # all named timers; a table (HTML in notebooks)
+
+    syncless.bench(fn)                   # warm-up, L2 flush, one event pair per rep -> Stats
+
+The clock is chosen at each use: the current CUDA device when CUDA is initialised, else
+`time.perf_counter`; `device=` fixes it. The two events come from the C layer's pool (no create
+or destroy per use) and are recorded on torch's current stream, so a use costs two cuEventRecord
+calls and a little Python. Reading `.ms` waits (sleeping, GIL released) for the end event only.
+
+`timer("step", log=log)` hands each duration to a Logger without waiting; see `_Durations` for
+how it reaches the row of its step.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import html
+import logging
+import math
+import threading
+import time
+import weakref
+from array import array
+from time import perf_counter
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from . import _C
+from .logger import Logger, Row     # importing the logger also hands torch's stream source to _C
+
+__all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
+           "load_ipython_extension"]
+
+_log = logging.getLogger("syncless")
+
+_CPU = -1
+_CUDA_CURRENT = -2                  # device="cuda": whichever device is current at each use
+_COLLECT_EVERY = 256                # read finished event pairs of a named timer in batches
+_L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50 MB)
+
+
+def _auto_device() -> int:
+    # is_initialized() is a flag check and _cuda_getDevice() is current_device() without its
+    # lazy-init path: together well under a microsecond, so the choice can be made per use.
+    if torch.cuda.is_initialized():
+        return torch._C._cuda_getDevice()
+    return _CPU
+
+
+def _parse_device(device: Any) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"timer: CUDA device index must be >= 0, got {device}")
+        return device
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return _CPU
+    if dev.type == "cuda":
+        return _CUDA_CURRENT if dev.index is None else dev.index
+    raise ValueError(f"timer: device must be cpu or cuda, got {dev}")
+
+
+def _resolve(device: int | None) -> int:
+    """A parsed device (None: automatic) -> a CUDA index, or _CPU."""
+    if device is None:
+        return _auto_device()
+    if device == _CUDA_CURRENT:
+        return torch.cuda.current_device()
+    return device
+
+
+def _device_name(device: int) -> str:
+    return "cpu" if device < 0 else f"cuda:{device}"
+
+
+def _fmt(ms: float) -> str:
+    if math.isnan(ms):
+        return "-"
+    return f"{ms:.0f}" if ms >= 1000 else f"{ms:.4g}"
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, statistics' 'inclusive')."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class Stats(NamedTuple):
+    """Summary of a timer's readings, in milliseconds. float(stats) is the median."""
+    count: int
+    mean: float
+    median: float
+    p90: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, times: Iterable[float]) -> "Stats":
+        ordered = sorted(times)
+        n = len(ordered)
+        if n == 0:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan, nan)
+        return cls(n, math.fsum(ordered) / n, _quantile(ordered, 0.5), _quantile(ordered, 0.9),
+                   ordered[0], ordered[-1])
+
+    def __float__(self) -> float:
+        return self.median
+
+    def __repr__(self) -> str:
+        return (f"Stats(count={self.count}, median={_fmt(self.median)} ms, "
+                f"mean={_fmt(self.mean)}, p90={_fmt(self.p90)}, min={_fmt(self.min)}, "
+                f"max={_fmt(self.max)})")
+
+
+# ---- one use -----------------------------------------------------------------------------------
+
+class Timing:
+    """The reading of one timed block: what `with timer() as t` binds to `t`.
+
+    `ms` waits for the end event, so it is never early; `ready` says whether it would wait.
+    On the CPU clock `ms` and `cpu_ms` are the same wall time.
+    """
+    __slots__ = ("name", "_device", "_pair", "_t0", "_cpu_ms", "_ms", "_step0")
+
+    def __init__(self, name: str | None, device: int):
+        self.name = name
+        self._device = device
+        self._pair = None           # the EventPair until its duration is read, then None
+        self._cpu_ms: float | None = None
+        self._ms: float | None = None
+
+    def _early(self, what: str) -> str:
+        label = f"timer {self.name!r}" if self.name else "timer"
+        return f"{label}: .{what} read inside the timed block; read it after the block ends"
+
+    @property
+    def ms(self) -> float:
+        """Milliseconds of the block: GPU time between the two events (waiting for the end
+        event first), or wall time on the CPU clock."""
+        ms = self._ms
+        if ms is not None:
+            return ms
+        if self._cpu_ms is None:
+            raise RuntimeError(self._early("ms"))
+        pair = self._pair
+        if pair is None:                # another thread read it meanwhile
+            return self._ms
+        ms = self._ms = pair.elapsed()
+        self._pair = None               # the two events go back to the pool
+        return ms
+
+    def _poll(self) -> float | None:
+        """ms if known without waiting, else None."""
+        ms = self._ms
+        if ms is not None or self._cpu_ms is None:
+            return ms
+        pair = self._pair
+        if pair is None:
+            return self._ms
+        ms = pair.poll()
+        if ms is not None:
+            self._ms = ms
+            self._pair = None
+        return ms
+
+    @property
+    def cpu_ms(self) -> float:
+        """Host wall time spent inside the block, in milliseconds."""
+        if self._cpu_ms is None:
+            raise RuntimeError(self._early("cpu_ms"))
+        return self._cpu_ms
+
+    @property
+    def ready(self) -> bool:
+        """True once the end event completed (so .ms will not wait); never waits."""
+        return self._poll() is not None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
+
+    def __repr__(self) -> str:
+        """Never waits: an unfinished GPU reading shows as pending."""
+        label = f"<timer {self.name!r}" if self.name else "<timer"
+        if self._cpu_ms is None:
+            return f"{label} running>"
+        if self._device < 0:
+            return f"{label} cpu {self._cpu_ms:.3f} ms>"
+        ms = self._poll()
+        gpu = "pending" if ms is None else f"{ms:.3f} ms"
+        return f"{label} gpu {gpu}, cpu {self._cpu_ms:.3f} ms>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        # Displaying a reading in IPython is reading it: wait for the end event.
+        if self._cpu_ms is not None:
+            self.ms
+        p.text(repr(self))
+
+
+# ---- every use of one timer --------------------------------------------------------------------
+
+class _Series:
+    """The readings of one named timer (shared by every Timer of that name) or of one unnamed
+    Timer. GPU readings wait in `_pending` until their end event completed; they are read in
+    batches (one cuEventElapsedTime each) so a long run holds few events."""
+    __slots__ = ("name", "_done", "_cpu", "_pending", "_devices", "_lock")
+
+    def __init__(self, name: str | None):
+        self.name = name
+        self._done = array("d")                       # ms, in the order they were read
+        self._cpu = array("d")
+        self._pending: collections.deque[Timing] = collections.deque()
+        self._devices: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, rec: Timing) -> None:
+        self._cpu.append(rec._cpu_ms)
+        if rec._device not in self._devices:
+            self._devices.add(rec._device)
+        if rec._ms is not None:
+            self._done.append(rec._ms)
+            return
+        self._pending.append(rec)
+        if len(self._pending) >= _COLLECT_EVERY:
+            self.collect(wait=False)
+
+    def collect(self, wait: bool) -> None:
+        """Move finished readings from _pending to _done, oldest first; with wait=True all."""
+        with self._lock:
+            pending = self._pending
+            while pending:
+                rec = pending[0]
+                ms = rec.ms if wait else rec._poll()
+                if ms is None:
+                    return
+                pending.popleft()
+                self._done.append(ms)
+
+    def stats(self, wait: bool = True) -> Stats:
+        self.collect(wait)
+        return Stats.of(self._done)
+
+    def cpu_stats(self) -> Stats:
+        return Stats.of(self._cpu)
+
+    def times(self) -> list[float]:
+        self.collect(wait=True)
+        return list(self._done)
+
+    @property
+    def clock(self) -> str:
+        devices = self._devices
+        if len(devices) == 1:
+            return _device_name(next(iter(devices)))
+        return "mixed" if devices else "-"
+
+    def clear(self) -> None:
+        with self._lock:
+            self._done = array("d")
+            self._cpu = array("d")
+            self._pending.clear()
+            self._devices = set()
+
+
+# ---- the timer ---------------------------------------------------------------------------------
+
+class Timer:
+    """A context manager and a decorator; each use is a fresh measurement (a `Timing`).
+
+    Use `timer(...)` to make one. Nested and recursive uses of one Timer are fine: every use has
+    its own record. One Timer object used as a context manager from several threads at once is
+    not (the decorator form is): give each thread its own `timer(name)`; they share the name's
+    statistics.
+    """
+    __slots__ = ("name", "last", "_device", "_series", "_open", "_log", "_step", "_durations")
+
+    def __init__(self, name: str | None = None, *, device: Any = None,
+                 log: Logger | None = None, step: int | None = None):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"timer name must be a str, got {type(name).__name__}")
+        if log is not None and name is None:
+            raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
+        if step is not None and log is None:
+            raise ValueError("timer(step=...) only applies with log=")
+        self.name = name
+        self.last: Timing | None = None
+        self._device = _parse_device(device)
+        self._series = timers._series_for(name) if name is not None else _Series(None)
+        self._open: list[Timing] = []
+        self._log = log
+        self._step = step
+        self._durations = _Durations.attach(log) if log is not None else None
+
+    # -- the hot path: enter + exit is two cuEventRecord calls and about twenty lines of Python
+
+    def _begin(self) -> Timing:
+        device = self._device
+        if device is None:
+            device = _auto_device()
+        elif device == _CUDA_CURRENT:
+            device = torch.cuda.current_device()
+        rec = Timing(self.name, device)
+        if self._log is not None:
+            rec._step0 = self._log.last_step
+        if device >= 0:
+            pair = _C.EventPair(device)
+            pair.start()                    # raises, touching nothing, under graph capture
+            rec._pair = pair
+        rec._t0 = perf_counter()
+        return rec
+
+    def _end(self, rec: Timing) -> None:
+        cpu_ms = (perf_counter() - rec._t0) * 1e3
+        if rec._pair is not None:
+            rec._pair.stop()
+        else:
+            rec._ms = cpu_ms
+        rec._cpu_ms = cpu_ms
+        self.last = rec
+        self._series.add(rec)
+        if self._durations is not None:
+            log = self._log
+            if not log.closed:
+                step = self._step
+                if step is None:
+                    # The step this block belongs to: the last logged step if log() was called
+                    # inside the block, else the step the next log() call will take.
+                    last = log.last_step
+                    step = last if last != rec._step0 else last + 1
+                self._durations.put(step, self.name, rec)
+
+    def __enter__(self) -> Timing:
+        rec = self._begin()
+        self._open.append(rec)
+        return rec
+
+    def __exit__(self, *exc: Any) -> None:
+        self._end(self._open.pop())
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Decorate fn: every call is timed. An unnamed timer takes the function's name."""
+        if not callable(fn):
+            raise TypeError(f"timer(...) decorates a callable, got {type(fn).__name__}")
+        if self.name is None:
+            self.name = getattr(fn, "__qualname__", None) or repr(fn)
+            self._series = timers._series_for(self.name)
+        begin, end = self._begin, self._end
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            rec = begin()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end(rec)
+
+        timed.timer = self
+        return timed
+
+    # -- reading
+
+    @property
+    def stats(self) -> Stats:
+        """Statistics of every use so far (of every Timer with this name); waits for the GPU."""
+        return self._series.stats()
+
+    @property
+    def cpu_stats(self) -> Stats:
+        """The same for the host time inside the block."""
+        return self._series.cpu_stats()
+
+    @property
+    def times(self) -> list[float]:
+        """Every reading in milliseconds, oldest first; waits for the GPU."""
+        return self._series.times()
+
+    def _last(self) -> Timing:
+        if self.last is None:
+            raise RuntimeError("this timer has not finished a timed block yet")
+        return self.last
+
+    @property
+    def ms(self) -> float:
+        """The last finished use's `ms` (waits for its end event)."""
+        return self._last().ms
+
+    @property
+    def cpu_ms(self) -> float:
+        return self._last().cpu_ms
+
+    @property
+    def ready(self) -> bool:
+        return self.last is not None and self.last.ready
+
+    def __repr__(self) -> str:
+        """Never waits: readings still on the GPU show as pending."""
+        label = f"<timer {self.name!r}" if self.name else "<timer"
+        s = self._series.stats(wait=False)
+        pending = len(self._series._pending)
+        if s.count == 0:
+            return f"{label}: {'no runs' if not pending else f'{pending} pending'}>"
+        more = f", {pending} pending" if pending else ""
+        return (f"{label} {self._series.clock}: {s.count} runs, median {_fmt(s.median)} ms, "
+                f"p90 {_fmt(s.p90)} ms{more}>")
+
+    def _repr_html_(self) -> str:
+        return Report([_report_row(self.name or "(unnamed)", self._series)])._repr_html_()
+
+
+def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger | None = None,
+          step: int | None = None) -> Any:
+    """Time a block or a function: `with timer() as t:`, `@timer("forward")`, `@timer`.
+
+    name    aggregates every use under syncless.timers[name] (and names the logged metric)
+    device  "cpu", "cuda", "cuda:1" or an index; default: the current CUDA device when CUDA is
+            initialised, else the CPU clock (chosen at each use)
+    log     a syncless.Logger: each duration is logged as metric `name` at the step the block
+            belongs to (the last step logged inside the block, else the next one), without
+            waiting; several uses at one step add up
+    step    log at this step instead
+    """
+    if callable(name):
+        return Timer()(name)
+    return Timer(name, device=device, log=log, step=step)
+
+
+# ---- the named-timer registry ------------------------------------------------------------------
+
+def _report_row(name: str, series: _Series) -> tuple:
+    return (name, series.clock, series.stats(), series.cpu_stats())
+
+
+_COLUMNS = ("timer", "clock", "count", "mean", "median", "p90", "min", "max", "cpu mean")
+
+
+class Report:
+    """A table of timers (ms): text via str()/repr(), HTML in notebooks."""
+
+    def __init__(self, rows: list[tuple]):
+        self.rows = rows            # (name, clock, Stats, cpu Stats)
+
+    def _cells(self) -> list[list[str]]:
+        return [[name, clock, str(s.count), _fmt(s.mean), _fmt(s.median), _fmt(s.p90),
+                 _fmt(s.min), _fmt(s.max), _fmt(c.mean)] for name, clock, s, c in self.rows]
+
+    def __str__(self) -> str:
+        if not self.rows:
+            return "no timer has run yet"
+        cells = [list(_COLUMNS)] + self._cells()
+        widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines) + "\n(ms)"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        if not self.rows:
+            return "<p>no timer has run yet</p>"
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in _COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                       for row in self._cells())
+        return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                "<small>milliseconds; GPU time from CUDA events, cpu mean = host time inside "
+                "the block</small>")
+
+
+class _Registry:
+    """syncless.timers: every named timer. report() and reset(); timers["forward"] is a Timer."""
+
+    def __init__(self) -> None:
+        self._series: dict[str, _Series] = {}
+
+    def _series_for(self, name: str) -> _Series:
+        s = self._series.get(name)
+        if s is None:
+            s = self._series.setdefault(name, _Series(name))
+        return s
+
+    def __getitem__(self, name: str) -> Timer:
+        if name not in self._series:
+            raise KeyError(f"no timer named {name!r}")
+        return Timer(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._series
+
+    def __iter__(self):
+        return iter(list(self._series))
+
+    def __len__(self) -> int:
+        return len(self._series)
+
+    def report(self) -> Report:
+        """Every named timer that has run, in order of first use (waits for the GPU)."""
+        return Report([_report_row(name, s) for name, s in list(self._series.items())
+                       if len(s._cpu)])
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget the readings of one named timer, or of all. Decorated functions keep timing."""
+        for key, s in list(self._series.items()):
+            if name is None or key == name:
+                s.clear()
+
+    def __repr__(self) -> str:
+        return repr(self.report())
+
+    def _repr_html_(self) -> str:
+        return self.report()._repr_html_()
+
+
+timers = _Registry()
+
+
+# ---- durations into a Logger -------------------------------------------------------------------
+
+class _Durations:
+    """The sink that `timer(name, log=log)` puts first in `log.sinks`.
+
+    A duration is known only once its end event completed, and by then the Logger has usually
+    logged later steps (and its steps never go backwards), so durations do not go through
+    log(). Instead the training thread only appends (step, name, reading) to a deque at the end
+    of the block; on the Logger's delivery thread, before the user's sinks see a window, this
+    sink reads the durations of the window's steps (waiting there, if at all, never in the
+    training loop) and adds them to the rows of their steps, the same list the other sinks then
+    receive. A duration whose row already went out (the window was flushed inside the block)
+    comes as a row of its own at that step with the next window, or at flush()/close().
+    """
+
+    def __init__(self, log: Logger):
+        self._log = weakref.ref(log)
+        self._incoming: collections.deque = collections.deque()   # training thread appends
+        self._held: list[tuple] = []                              # delivery side only
+        self._sent = -1                                           # last step the sinks saw
+        self._failed: set[int] = set()
+
+    @classmethod
+    def attach(cls, log: Logger) -> "_Durations":
+        if not isinstance(log, Logger):
+            raise TypeError(f"timer(log=...) takes a syncless.Logger, got {type(log).__name__}")
+        for sink in log.sinks:
+            if isinstance(sink, cls):
+                return sink
+        if log.closed:
+            raise ValueError("timer(log=...): this Logger is closed")
+        durations = cls(log)
+        # A new list, not an insert: the delivery thread may be iterating the old one right now.
+        log.sinks = [durations, *log.sinks]
+        return durations
+
+    def put(self, step: int, name: str, rec: Timing) -> None:
+        self._incoming.append((step, name, rec, time.time()))
+
+    def _take(self, up_to: float) -> list[tuple]:
+        incoming = self._incoming
+        while incoming:
+            self._held.append(incoming.popleft())
+        due = [h for h in self._held if h[0] <= up_to]
+        if due:
+            self._held = [h for h in self._held if h[0] > up_to]
+        return due
+
+    def _sum(self, due: list[tuple]) -> tuple[dict, dict]:
+        values: dict[int, dict[str, float]] = {}
+        stamps: dict[int, float] = {}
+        for step, name, rec, t in due:
+            step = max(step, self._sent)        # never behind what the sinks already saw
+            ms = rec.ms                         # may wait: on the delivery thread, GIL released
+            row = values.setdefault(step, {})
+            row[name] = row.get(name, 0.0) + ms
+            stamps.setdefault(step, t)
+        return values, stamps
+
+    # -- the sink protocol
+
+    def write(self, rows: list[Row]) -> None:
+        if not rows:
+            return
+        last = rows[-1].step
+        due = self._take(last)
+        if due:
+            values, stamps = self._sum(due)
+            first: dict[int, Row] = {}
+            for row in rows:
+                first.setdefault(row.step, row)
+            added = False
+            for step, vals in values.items():
+                row = first.get(step)
+                if row is not None:
+                    row.values.update(vals)
+                else:
+                    rows.append(Row(step, stamps[step], vals))
+                    added = True
+            if added:
+                rows.sort(key=lambda r: r.step)     # stable: the user's rows keep their order
+        self._sent = max(self._sent, last)
+
+    def flush(self) -> None:
+        # Called by Logger.flush()/close() after the delivery thread went idle, so writing to
+        # the other sinks from here cannot interleave with a window.
+        log = self._log()
+        if log is not None:
+            self._send(self._take(log.last_step))
+
+    def close(self) -> None:
+        self._send(self._take(math.inf))
+
+    def _send(self, due: list[tuple]) -> None:
+        log = self._log()
+        if not due or log is None:
+            return
+        values, stamps = self._sum(due)
+        rows = [Row(step, stamps[step], values[step]) for step in sorted(values)]
+        self._sent = max(self._sent, rows[-1].step)
+        for i, sink in enumerate(log.sinks):
+            if sink is self:
+                continue
+            try:
+                sink.write(rows)
+            except Exception as exc:
+                if i not in self._failed:
+                    self._failed.add(i)
+                    _log.error("syncless: sink %r raised %s writing timer durations: %s",
+                               sink, type(exc).__name__, exc)
+
+    def __repr__(self) -> str:
+        return "syncless.timer durations"
+
+
+# ---- microbenchmark ----------------------------------------------------------------------------
+
+def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100, *, flush_l2: bool = True,
+          device: Any = None) -> Stats:
+    """Time fn() `rep` times after `warmup` calls; returns Stats in ms (float() is the median).
+
+    On CUDA each rep is bracketed by its own event pair on the current stream, after an L2
+    flush (a 256 MB memset, outside the pair) when flush_l2; the pairs are read at the end.
+    warmup and rep are counts (triton's do_bench takes millisecond budgets instead). The
+    device is chosen after the first warm-up call, so fn may be what initialises CUDA.
+    """
+    if rep < 1 or warmup < 0:
+        raise ValueError(f"bench needs rep >= 1 and warmup >= 0, got rep={rep}, warmup={warmup}")
+    dev = _parse_device(device)
+    for _ in range(warmup):
+        fn()
+    dev = _resolve(dev)
+    if dev < 0:
+        times = []
+        for _ in range(rep):
+            t0 = perf_counter()
+            fn()
+            times.append((perf_counter() - t0) * 1e3)
+        return Stats.of(times)
+    cache = None
+    if flush_l2:
+        cache = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device=f"cuda:{dev}")
+    pairs = []
+    for _ in range(rep):
+        if cache is not None:
+            cache.zero_()
+        pair = _C.EventPair(dev)
+        pair.start()
+        fn()
+        pair.stop()
+        pairs.append(pair)
+    return Stats.of([p.elapsed() for p in pairs])
+
+
+# ---- notebooks ---------------------------------------------------------------------------------
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext syncless`: the %gputime / %%gputime and %gputimeit / %%gputimeit magics."""
+    from ._magics import TimerMagics
+    ipython.register_magics(TimerMagics)

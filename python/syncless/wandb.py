@@ -1,0 +1,243 @@
+"""wandb.log that never syncs: change one import.
+
+    import syncless.wandb as wandb          # was: import wandb
+    wandb.init(project="p")                 # wandb.init itself; returns the real run
+    wandb.log({"loss": loss, "lr": lr})     # CUDA tensors: one kernel launch, no sync
+
+Each log() call is one row of a `syncless.Logger`: one-element tensors are gathered on the
+device in stream order; everything else in the call (Python numbers, strings, wandb.Image,
+Histogram, nested dicts), its `step` and `commit` stay on the host, keyed by the row. Every `every`
+calls the rows are copied back and the calls are replayed to the run in the order they were made,
+with each tensor replaced by its `.item()` value, on the logger's delivery thread. Replaying the
+same calls in the same order lets wandb do its own step counting, so the run's history is the one
+`wandb.log` with `.item()` values would have written; `_timestamp` is the time of the original
+call. `wandb.finish()` / `run.finish()` (and interpreter exit, through wandb's own finish) deliver
+everything first; `flush()` does it on demand.
+
+Until delivery the run has not seen the deferred calls: `run.step` and `run.summary` lag by up to
+`every` calls. Do not mix direct `wandb.log` calls with these on one run without `flush()` in
+between. Multi-element tensors are snapshotted on the device (no sync here) and converted by wandb
+on the delivery thread. Not for use inside CUDA graph capture.
+
+Any other attribute (`wandb.Image`, `wandb.config`, `wandb.run`, ...) is the real wandb's.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+try:
+    import wandb as _wandb                      # the real package: imports are absolute
+except ImportError as exc:
+    raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
+
+from .logger import Logger
+
+__all__ = ["init", "log", "flush", "finish"]
+
+_log = logging.getLogger("syncless")
+
+_MAX_TENSORS = 240             # the gather kernel takes at most 248 values per call
+_COLUMNS = tuple(str(i) for i in range(_MAX_TENSORS))
+_IN_ROW = object()             # step given as a tensor: read from the row
+_states: dict[int, "_Deferred"] = {}     # id(run) -> its deferred calls
+
+
+class _Slot:
+    """Where a tensor's value goes back in the replayed call, and the type .item() gives."""
+    __slots__ = ("column", "cast")
+
+    def __init__(self, column: str, cast: type):
+        self.column = column
+        self.cast = cast
+
+
+class _Sink:
+    __slots__ = ("write",)
+
+    def __init__(self, write):
+        self.write = write
+
+
+def _item_type(dtype: torch.dtype) -> type:
+    if dtype.is_floating_point:
+        return float
+    return bool if dtype == torch.bool else int
+
+
+def _split(data: Mapping, tensors: dict) -> dict:
+    """A copy of `data` with each one-element tensor moved into `tensors` (the logger's row) and
+    replaced by a _Slot. Reads only host metadata (numel, dtype): no sync."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor):
+            if (value.numel() == 1 and not value.is_complex()
+                    and len(tensors) < _MAX_TENSORS):
+                column = _COLUMNS[len(tensors)]
+                tensors[column] = value
+                out[key] = _Slot(column, _item_type(value.dtype))
+            else:
+                out[key] = value.detach().clone()   # a snapshot: later in-place updates miss it
+        elif isinstance(value, dict):
+            out[key] = _split(value, tensors)
+        elif type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":
+            out[key] = value.copy()             # numpy arrays are mutable; tensors above
+        else:
+            out[key] = value
+    return out
+
+
+def _fill(template: dict, values: dict) -> dict:
+    out = {}
+    for key, value in template.items():
+        if type(value) is _Slot:
+            out[key] = value.cast(values[value.column])
+        elif type(value) is dict:
+            out[key] = _fill(value, values)
+        else:
+            out[key] = value
+    return out
+
+
+def _numbers(data: dict, out: dict, prefix: str = "") -> None:
+    for key, value in data.items():
+        if type(value) is dict:
+            _numbers(value, out, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix + key] = value
+
+
+class _Deferred:
+    """One run's deferred log() calls: a Logger whose sink replays them to the run in order."""
+
+    def __init__(self, run: Any, every: int = 50, max_delay: float | None = 2.0):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.run = run
+        self.max_delay = max_delay
+        self.latest: dict[str, float] = {}
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple] = {}
+        self._seq = 0
+        self._handed = time.monotonic()
+        self._logger: Logger | None = Logger(every=every, sinks=[_Sink(self._replay)])
+
+    def log(self, data: Mapping[str, Any], step: Any = None, commit: bool | None = None) -> None:
+        if not isinstance(data, Mapping):
+            raise TypeError("wandb.log must be passed a dictionary")
+        if any(not isinstance(key, str) for key in data):
+            raise TypeError("Key values passed to `wandb.log` must be strings.")
+        tensors: dict[str, Any] = {}
+        template = _split(data, tensors)
+        if isinstance(step, torch.Tensor):
+            tensors["step"], step = step, _IN_ROW
+        with self._lock:
+            log = self._logger
+            if log is None:
+                raise _wandb.errors.UsageError(
+                    f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
+                    "be ignored. Please make sure that you are using an active run.")
+            seq = self._seq
+            self._pending[seq] = (template, step, commit)
+            try:
+                log.log(tensors, seq)
+            except BaseException:
+                del self._pending[seq]
+                raise
+            self._seq = seq + 1
+            if self.max_delay is not None:
+                now = time.monotonic()
+                if now - self._handed >= self.max_delay:
+                    self._handed = now
+                    log.flush(wait=False)                # enqueues one copy; never waits
+
+    def _replay(self, rows) -> None:                     # the logger's delivery thread
+        run = self.run
+        for row in rows:
+            record = self._pending.pop(row.step, None)
+            if record is None:                           # a CUDA graph replay: no host record
+                continue
+            template, step, commit = record
+            data = _fill(template, row.values)
+            if step is _IN_ROW:
+                step = int(row.values["step"])
+            data.setdefault("_timestamp", row.time)
+            try:
+                run.log(data, step=step, commit=commit)
+            except Exception as exc:
+                self.errors += 1
+                if self.errors == 1:
+                    _log.error("syncless.wandb: replaying a log() call raised %s: %s (reported "
+                               "once; later calls go on)", type(exc).__name__, exc)
+                continue
+            _numbers(data, self.latest)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._logger is not None:
+                self._logger.flush(wait=True)
+
+    def close(self) -> None:
+        with self._lock:
+            log, self._logger = self._logger, None
+        if log is not None:
+            log.close()
+        if _states.get(id(self.run)) is self:
+            del _states[id(self.run)]
+
+
+def _deferred(run: Any, every: int | None = None) -> _Deferred:
+    state = _states.get(id(run))
+    if state is None or state.run is not run:
+        state = _states[id(run)] = _Deferred(run, every or 50)
+        try:
+            from wandb.sdk.wandb_run import TeardownHook, TeardownStage
+            # EARLY hooks run inside finish() while the run still accepts log().
+            run._teardown_hooks.append(TeardownHook(state.close, TeardownStage.EARLY))
+        except (ImportError, AttributeError):
+            pass                                         # finish() below still drains
+    return state
+
+
+def init(*args: Any, every: int = 50, **kwargs: Any) -> Any:
+    """`wandb.init(*args, **kwargs)`, unchanged; `every` is how many log() calls share one
+    device-to-host copy. Returns the real run."""
+    run = _wandb.init(*args, **kwargs)
+    if run is not None:
+        _deferred(run, every)
+    return run
+
+
+def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
+    """`wandb.log` with the same arguments and meaning; tensors are never read here."""
+    run = _wandb.run
+    if run is None:
+        raise _wandb.Error("You must call wandb.init() before syncless.wandb.log()")
+    _deferred(run).log(data, step, commit)
+
+
+def flush() -> None:
+    """Replay every deferred call to its run now (waits for the GPU to reach them)."""
+    for state in list(_states.values()):
+        state.flush()
+
+
+def finish(*args: Any, **kwargs: Any) -> None:
+    """`wandb.finish`, after delivering the current run's deferred calls."""
+    run = _wandb.run
+    if run is not None and id(run) in _states:
+        _states[id(run)].close()
+    _wandb.finish(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "latest":                 # {key: value} of the latest replayed numbers
+        run = _wandb.run
+        state = _states.get(id(run)) if run is not None else None
+        return dict(state.latest) if state is not None else {}
+    return getattr(_wandb, name)
