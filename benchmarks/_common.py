@@ -77,7 +77,7 @@ def paired_ratios(values: dict, name: str, base: str) -> list[float]:
 
 def beyond_spread(ratio: dict) -> bool:
     """True when the interquartile range of a ratio excludes 1: a difference worth claiming."""
-    if not ratio or ratio.get("n", 0) < 3:
+    if not ratio or ratio.get("n", 0) < 5:
         return False
     return ratio["p25"] > 1.0 or ratio["p75"] < 1.0
 

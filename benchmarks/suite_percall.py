@@ -121,7 +121,7 @@ def _setup(ctx: Ctx, k: int, tmp: str, errors: dict, shared: dict) -> dict:
         from syncless import wandb as swb
         if shared.get("wandb") is None:
             raise ImportError("wandb is not installed")
-        fns["syncless_wandb"] = lambda: swb.log(metrics)
+        fns["syncless_wandb"] = lambda: swb.log(metrics)     # replayed with .item() later
     except Exception as exc:
         errors["syncless_wandb"] = f"skipped: {type(exc).__name__}: {exc}"
 
@@ -130,6 +130,8 @@ def _setup(ctx: Ctx, k: int, tmp: str, errors: dict, shared: dict) -> dict:
 
 
 def _start_wandb(ctx: Ctx, tmp: str, shared: dict) -> None:
+    """One offline run for both wandb methods: syncless.wandb.init returns the real run when the
+    adapter is there (two inits would finish the first run)."""
     if ctx.quick and not ctx.cuda:
         shared["wandb_error"] = "skipped in --quick on CPU (wandb startup takes seconds)"
         return
@@ -137,20 +139,18 @@ def _start_wandb(ctx: Ctx, tmp: str, shared: dict) -> None:
         import wandb
     except Exception:
         shared["wandb_error"] = "skipped: wandb is not installed"
-        print("  note: wandb is not installed; its variants are skipped", flush=True)
+        print("  note: wandb is not installed; its methods are skipped", flush=True)
         return
     try:
-        os.environ.setdefault("WANDB_SILENT", "true")
-        run = wandb.init(project="syncless-bench", mode="offline", dir=tmp)
-        shared["wandb"] = run
-        # syncless.wandb logs into the active run when it has one; init it if it wants that.
         try:
             from syncless import wandb as swb
-            if hasattr(swb, "init"):
-                swb.init(project="syncless-bench", mode="offline", dir=tmp)
-        except Exception:
-            pass
+            shared["wandb"] = swb.init(project="syncless-bench", mode="offline", dir=tmp)
+            shared["wandb_finish"] = swb.finish
+        except ImportError:
+            shared["wandb"] = wandb.init(project="syncless-bench", mode="offline", dir=tmp)
+            shared["wandb_finish"] = shared["wandb"].finish
     except Exception as exc:
+        shared["wandb"] = None
         shared["wandb_error"] = f"wandb.init failed: {type(exc).__name__}: {exc}"
 
 
@@ -212,17 +212,11 @@ def run(ctx: Ctx) -> dict:
         finally:
             for close in shared.pop("close", []):
                 close()
-            if shared.get("wandb") is not None:
+            if shared.get("wandb_finish") is not None:
                 try:
-                    shared["wandb"].finish()
-                except Exception:
-                    pass
-                try:
-                    from syncless import wandb as swb
-                    if hasattr(swb, "finish"):
-                        swb.finish()
-                except Exception:
-                    pass
+                    shared["wandb_finish"]()
+                except Exception as exc:
+                    print(f"  ! wandb finish failed: {exc}", flush=True)
     out["errors"] = sorted(out["errors"])
     return out
 
