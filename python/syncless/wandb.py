@@ -107,7 +107,8 @@ def _numbers(data: dict, out: dict, prefix: str = "") -> None:
     for key, value in data.items():
         if type(value) is dict:
             _numbers(value, out, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and not key.startswith("_")):                     # _timestamp, _step
             out[prefix + key] = value
 
 

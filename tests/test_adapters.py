@@ -1,0 +1,311 @@
+"""The TensorBoard and W&B drop-ins and sinks, against the real backends.
+
+Each test logs the same calls twice: a reference with plain Python numbers through the backend's
+own API, and tensors through syncless. The files are read back with the backends' own readers
+(TensorBoard's EventAccumulator; `wandb leet inspect --json` for the offline run's .wandb log) and
+compared value by value. On CUDA the syncless calls run under torch's sync-debug mode "error".
+"""
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import syncless
+from syncless import sinks
+
+pytestmark = [
+    # protobuf and wandb's pydantic settings warn about their own internals on some versions.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:google.protobuf.*"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:wandb.*"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:pydantic.*"),
+]
+
+VALUES = [i / 8 - 2 for i in range(64)]          # exact in float32, so TensorBoard stores them as is
+
+
+@contextlib.contextmanager
+def no_syncs(device):
+    """Any host-device sync in the block raises (CUDA); nothing to check on CPU."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def device_values(device):
+    """VALUES as 0-dim views of one device tensor (made before any no_syncs block), and steps."""
+    return (torch.tensor(VALUES, dtype=torch.float32, device=device),
+            torch.arange(64, device=device))
+
+
+# ---- TensorBoard -------------------------------------------------------------------------------
+
+def tb_calls(w, v, steps):
+    """A training loop's TensorBoard calls: v[i] is VALUES[i] (a float or a tensor view)."""
+    for i in range(12):
+        w.add_scalar("train/loss", v[i], i)
+        w.add_scalar("train/acc", v[40 - i], i)
+        if i % 4 == 0:
+            w.add_scalars("lr", {"a": v[i + 1], "b": v[20]}, i)
+            w.add_text("note", f"step {i}", i)           # a pass-through method
+    w.add_scalar("train/loss", 0.375, 12)                # a Python float between tensors
+    w.add_scalar("eval/loss", v[50], 3)                  # an earlier step, another tag
+    w.add_scalar("fixed", v[7], 20, walltime=1234.5)
+    w.add_scalar("nostep", v[9])                         # global_step None: torch writes 0
+    w.add_scalar("tensor_step", v[11], steps[30])        # a tensor step (int64 on the device)
+    w.add_scalar("new_style", v[13], 5, new_style=True)
+
+
+def read_tb(logdir):
+    """{(subdir, tag): [(step, value, wall_time), ...]} for scalars, and steps of tensor tags."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+    out = {}
+    for root, _dirs, files in os.walk(logdir):
+        if not any(f.startswith("events.out.tfevents") for f in files):
+            continue
+        acc = EventAccumulator(root, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        sub = os.path.relpath(root, logdir)
+        for tag in acc.Tags()["scalars"]:
+            out[sub, tag] = [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)]
+        for tag in acc.Tags()["tensors"]:
+            out[sub, tag] = [(e.step, tensor_util.make_ndarray(e.tensor_proto).tolist(),
+                              e.wall_time) for e in acc.Tensors(tag)]
+    return out
+
+
+def strip_time(events):
+    return {key: [(step, value) for step, value, _ in evs] for key, evs in events.items()}
+
+
+@pytest.fixture(scope="module")
+def tb_reference(tmp_path_factory):
+    from torch.utils.tensorboard import SummaryWriter
+    logdir = tmp_path_factory.mktemp("tb_ref")
+    with SummaryWriter(logdir) as w:
+        tb_calls(w, VALUES, list(range(64)))
+    return read_tb(logdir)
+
+
+def test_tensorboard_writer_matches_reference(device, tmp_path, tb_reference):
+    from syncless.tensorboard import SummaryWriter
+    v, steps = device_values(device)
+    t0 = time.time()
+    with no_syncs(device):
+        with SummaryWriter(tmp_path, every=5) as w:     # 5: several windows and a remainder
+            tb_calls(w, v, steps)
+    t1 = time.time()
+    got = read_tb(tmp_path)
+
+    assert strip_time(got) == strip_time(tb_reference)
+    assert [s for s, _, _ in got[".", "train/loss"]] == list(range(13))
+    assert got[".", "nostep"][0][:2] == (0, VALUES[9])
+    assert got[".", "tensor_step"][0][:2] == (30, VALUES[11])
+    assert got["lr_a", "lr"][1][:2] == (4, VALUES[5])
+    assert got[".", "fixed"][0][2] == 1234.5
+    # Every other wall time is the host time of its call: within the run, in call order.
+    walls = [wall for key, evs in got.items() if key != (".", "fixed") for _, _, wall in evs]
+    assert all(t0 <= wall <= t1 for wall in walls)
+    loss_walls = [wall for _, _, wall in got[".", "train/loss"]]
+    assert loss_walls == sorted(loss_walls)
+    assert w.latest["train/loss"] == 0.375 and w.latest["lr/b"] == VALUES[20]
+
+
+def test_tensorboard_defers_until_flush(device, tmp_path):
+    from syncless.tensorboard import SummaryWriter
+    v, _ = device_values(device)
+    w = SummaryWriter(tmp_path, every=1000, max_delay=None)
+    try:
+        with no_syncs(device):
+            for i in range(3):
+                w.add_scalar("loss", v[i], i)
+        super(SummaryWriter, w).flush()                 # torch's flush alone: nothing yet
+        assert read_tb(tmp_path) == {}
+        with no_syncs(device):
+            w.flush()
+        assert strip_time(read_tb(tmp_path)) == {(".", "loss"): [(i, VALUES[i]) for i in range(3)]}
+    finally:
+        w.close()
+
+
+def test_tensorboard_rejects_bad_values(tmp_path):
+    from syncless.tensorboard import SummaryWriter
+    with SummaryWriter(tmp_path) as w:
+        with pytest.raises(ValueError, match=r"'loss' must hold one element, got shape \(3,\)"):
+            w.add_scalar("loss", torch.ones(3), 0)
+        w.add_scalar("loss", 1.5, 1)                    # the writer still works
+    assert strip_time(read_tb(tmp_path)) == {(".", "loss"): [(1, 1.5)]}
+
+
+def test_tensorboard_sink(device, tmp_path):
+    from syncless.tensorboard import SummaryWriter
+    v, _ = device_values(device)
+    own = SummaryWriter(tmp_path / "shared", every=1000, max_delay=None)
+    t0 = time.time()
+    with no_syncs(device):
+        with syncless.Logger(every=3, sinks=[sinks.TensorBoard(tmp_path / "own"),
+                                             sinks.TensorBoard(own)]) as log:
+            for i in range(7):
+                log(loss=v[i], acc=v[60 - i])
+            log.log({"loss": v[30]}, step=10)
+    t1 = time.time()
+    own.close()
+    for sub in ("own", "shared"):
+        got = read_tb(tmp_path / sub)
+        assert strip_time(got) == {
+            (".", "loss"): [(i, VALUES[i]) for i in range(7)] + [(10, VALUES[30])],
+            (".", "acc"): [(i, VALUES[60 - i]) for i in range(7)]}
+        assert all(t0 <= wall <= t1 for evs in got.values() for _, _, wall in evs)
+
+
+# ---- Weights & Biases ----------------------------------------------------------------------------
+
+WANDB_SETTINGS = dict(console="off", x_disable_stats=True, x_disable_machine_info=True,
+                      save_code=False, disable_git=True, x_save_requirements=False, silent=True)
+
+
+def wb_calls(log, v, ints, flags, nan, histogram):
+    """wandb.log calls covering its step rules: v/ints/flags[i] and nan are Python numbers or
+    tensors; `histogram` is a wandb object passed through in order."""
+    log({"loss": v[0], "epoch": 0})
+    log({"loss": v[1], "count": ints[3]}, commit=False)  # accumulates into step 1
+    log({"acc": v[2], "ok": flags[1]})                   # commits step 1
+    log({"loss": v[3], "nested": {"x": v[4], "tag": "a"}}, step=10)
+    log({"text": "hello", "hist": histogram}, step=10)   # same step: merged
+    log({"loss": v[5]}, step=5)                          # behind the run: wandb drops it
+    log({"loss": v[6], "epoch": 1})                      # step 11
+    log({"loss": v[7]}, commit=True)
+    log({"nan": nan, "loss": v[8]})
+    log({})                                              # an empty commit: a step of its own
+    log({"loss": v[9], "count": ints[4]})
+
+
+def wb_history(run):
+    """The history records of the run's offline .wandb log, read by wandb's own reader."""
+    run_dir = os.path.dirname(run.dir)
+    path = next(os.path.join(run_dir, f) for f in os.listdir(run_dir) if f.endswith(".wandb"))
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    return [r["history"] for r in records if r.get("type") == "history"]
+
+
+def untimed(history):
+    return [({k: v for k, v in h["item"].items() if k not in ("_runtime", "_timestamp")},
+             h["step"]["num"]) for h in history]
+
+
+@pytest.fixture(scope="module")
+def wandb_env(tmp_path_factory):
+    pytest.importorskip("wandb")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        mp.setenv("WANDB_DIR", str(tmp_path_factory.mktemp("wandb")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def wb_reference(wandb_env, tmp_path_factory):
+    import wandb
+    run = wandb.init(project="syncless-test", dir=str(tmp_path_factory.mktemp("wb_ref")),
+                     settings=wandb.Settings(**WANDB_SETTINGS))
+    hist = wandb.Histogram([1.0, 2.0, 2.5, 4.0])
+    wb_calls(run.log, VALUES, [0, 1, 2, 3, 4], [False, True], float("nan"), hist)
+    run.finish()
+    return wb_history(run)
+
+
+def test_wandb_log_matches_reference(device, wandb_env, wb_reference, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    v, _ = device_values(device)
+    ints = torch.arange(5, device=device)
+    flags = torch.tensor([False, True], device=device)
+    nan = torch.tensor(float("nan"), device=device)
+    hist = wandb.Histogram([1.0, 2.0, 2.5, 4.0])
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=3,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    t0 = time.time()
+    with no_syncs(device):
+        wb_calls(swandb.log, v, ints, flags, nan, hist)
+        t1 = time.time()
+        run.finish()                  # wandb's own finish delivers the deferred calls first
+    got = wb_history(run)
+
+    assert untimed(got) == untimed(wb_reference)
+    assert [step for _, step in untimed(got)] == [0, 1, 10, 11, 12, 13, 14]
+    assert untimed(got)[1][0]["count"] == 3 and untimed(got)[1][0]["ok"] is True
+    stamps = [h["item"]["_timestamp"] for h in got]
+    assert all(t0 <= t <= t1 for t in stamps) and stamps == sorted(stamps)
+
+
+def test_wandb_module_is_a_drop_in(wandb_env, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    assert swandb.Histogram is wandb.Histogram and swandb.Settings is wandb.Settings
+    with pytest.raises(wandb.Error, match="wandb.init"):
+        swandb.log({"loss": torch.tensor(1.0)})
+    run = wandb.init(project="syncless-test", dir=str(tmp_path),   # plain wandb.init works too
+                     settings=wandb.Settings(**WANDB_SETTINGS))
+    try:
+        with pytest.raises(TypeError, match="must be strings"):
+            swandb.log({1: torch.tensor(1.0)})
+        for i in range(4):
+            swandb.log({"loss": torch.tensor(VALUES[i]), "i": i})
+        assert run.step == 0                        # deferred: the run has not seen them yet
+        swandb.flush()
+        assert run.step == 4
+        assert swandb.latest == {"loss": VALUES[3], "i": 3}
+    finally:
+        swandb.finish()
+    assert untimed(wb_history(run)) == [({"loss": VALUES[i], "i": i, "_step": i}, i)
+                                        for i in range(4)]
+
+
+def test_wandb_sink(device, wandb_env, tmp_path):
+    import wandb
+    v, _ = device_values(device)
+    run = wandb.init(project="syncless-test", dir=str(tmp_path),
+                     settings=wandb.Settings(**WANDB_SETTINGS))
+    t0 = time.time()
+    with no_syncs(device):
+        with syncless.Logger(every=3, sinks=[sinks.WandB(run)]) as log:
+            for i in range(5):
+                log(loss=v[i])
+            log.log({"acc": v[40]}, step=4)          # the same step: merged into one row
+            log.log({"loss": v[9]}, step=8)
+    t1 = time.time()
+    run.finish()
+    got = wb_history(run)
+    assert untimed(got) == (
+        [({"loss": VALUES[i], "_step": i}, i) for i in range(4)]
+        + [({"loss": VALUES[4], "acc": VALUES[40], "_step": 4}, 4),
+           ({"loss": VALUES[9], "_step": 8}, 8)])
+    assert all(t0 <= h["item"]["_timestamp"] <= t1 for h in got)
+
+
+# ---- optional backends -----------------------------------------------------------------------
+
+def test_missing_backends_name_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match=r"pip install syncless\[wandb\]"):
+        sinks.WandB()
+    with pytest.raises(ImportError, match=r"pip install syncless\[tensorboard\]"):
+        sinks.TensorBoard("unused")
+    for module, extra in (("syncless.wandb", "wandb"), ("syncless.tensorboard", "tensorboard")):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        with pytest.raises(ImportError, match=rf"pip install syncless\[{extra}\]"):
+            importlib.import_module(module)
