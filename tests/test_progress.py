@@ -1,0 +1,60 @@
+"""syncless.tqdm: the postfix shows what the logger has delivered, never a live tensor."""
+import io
+import re
+
+import pytest
+import torch
+
+import syncless
+from syncless.progress import tqdm
+
+
+def postfixes(text):
+    """The distinct postfixes, in the order the bar drew them."""
+    shown = []
+    for postfix in re.findall(r"it/s, ([^\]]*)\]", text):
+        if not shown or shown[-1] != postfix:
+            shown.append(postfix)
+    return shown
+
+
+def test_postfix_follows_delivered_values(device):
+    values = torch.arange(12, dtype=torch.float32, device=device) / 4
+    out = io.StringIO()
+    with syncless.Logger(every=100) as log:
+        bar = tqdm(total=12, log=log, file=out, mininterval=0, ascii=True)
+        for i in range(12):
+            log(loss=values[i], step_no=i)
+            if i % 3 == 2:
+                log.flush()                      # delivery, made deterministic for the test
+            bar.update(1)                        # a redraw: the postfix is read here
+        bar.close()
+    shown = postfixes(out.getvalue())
+    # Nothing before the first delivery, then each delivered row once, never a newer one.
+    assert shown == [f"loss={s / 4:.4g}, step_no={s}, @{s}" for s in (2, 5, 8, 11)]
+
+
+def test_keys_and_objects_with_latest():
+    class Board:                             # anything with a `latest` dict will do
+        latest = {"loss": 0.125, "lr": 3e-4, "name": "x"}
+
+    out = io.StringIO()
+    bar = tqdm(total=2, log=Board(), keys=["lr", "name", "missing"], fmt=".1e", file=out,
+               mininterval=0, ascii=True)
+    bar.update(2)
+    bar.close()
+    assert "lr=3.0e-04, name=x]" in out.getvalue()
+
+
+def test_plain_tqdm_without_log():
+    out = io.StringIO()
+    assert list(tqdm([1, 2, 3], file=out, ascii=True)) == [1, 2, 3]
+    assert "3/3" in out.getvalue()
+
+
+def test_missing_tqdm_names_the_extra(monkeypatch):
+    import syncless.progress as progress
+    monkeypatch.setattr(progress, "_classes", {})
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
+    with pytest.raises(ImportError, match=r"pip install syncless\[progress\]"):
+        tqdm(range(3))
