@@ -1,0 +1,14 @@
+"""The doctor: find what stalls a training loop, name the line and the fix.
+
+    with syncless.audit() as a: ...              # every host-device sync, with its line
+    for batch in syncless.watch(loader): ...     # always-on: data wait, CPU and GPU per step
+    syncless.doctor(train_step, steps=30)        # both, plus a GPU probe: one ranked report
+    python -m syncless doctor script.py          # the same for a whole script
+"""
+from .audit import Audit, SyncError, SyncSite, audit
+from .diagnose import Diagnosis, doctor
+from .monitor import MonitorSummary, StepMonitor, Watch, watch
+from .report import Finding
+
+__all__ = ["audit", "Audit", "SyncError", "SyncSite", "watch", "Watch", "StepMonitor",
+           "MonitorSummary", "doctor", "Diagnosis", "Finding"]

@@ -1,0 +1,491 @@
+"""The doctor: data-wait measurement, the audit, the report (CPU), and planted bottlenecks (CUDA).
+
+Each planted bottleneck lives in its own small function with a `# planted` comment on the line the
+doctor must name; `planted()` finds that line with inspect, so editing this file cannot silently
+break the expected locations."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
+
+import syncless
+from syncless.doctor import Audit, StepMonitor, SyncError, audit, doctor, watch
+from syncless.doctor.report import render_audit
+
+HAS_CUDA = torch.cuda.is_available()
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def planted(fn) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    hits = [start + i for i, line in enumerate(lines) if "# planted" in line]
+    assert len(hits) == 1, f"{fn.__name__} must have exactly one '# planted' line"
+    return hits[0]
+
+
+def site_at(a: Audit, fn):
+    line = planted(fn)
+    for s in a.sites.values():
+        if s.site.file == HERE and s.site.line == line:
+            return s
+    pytest.fail(f"no sync reported at test_doctor.py:{line} ({fn.__name__}); backend "
+                f"{a.backend} ({a.reason or 'ok'}); report:\n{a.report()}")
+
+
+class SleepyDataset(Dataset):
+    """__getitem__ blocks for `seconds`: a loader that cannot keep up."""
+
+    def __init__(self, n=8, seconds=0.02):
+        self.n, self.seconds = n, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return torch.full((4,), float(i))
+
+
+# ---- CPU: the monitor --------------------------------------------------------------------------
+
+def test_watch_measures_data_wait_and_cpu_time():
+    w = watch(DataLoader(SleepyDataset(8, 0.02), batch_size=1))
+    seen = []
+    for batch in w:
+        seen.append(int(batch[0, 0]))
+        time.sleep(0.005)
+    m = w.summary()
+    assert seen == list(range(8)), "watch() must yield the loader's batches unchanged"
+    assert m.steps == 8
+    assert m.data_ms >= 15, f"a 20 ms __getitem__ must show >= 15 ms data wait, got {m.data_ms}"
+    assert m.data_p90_ms >= 15
+    assert 4 <= m.cpu_ms < 15, f"the 5 ms body is CPU time, not data wait: {m.cpu_ms}"
+    assert m.step_ms >= m.data_ms + 4
+    assert m.loader["num_workers"] == 0
+
+
+def test_watch_logs_per_step_rows():
+    rows = []
+    with syncless.Logger(every=2, sinks=[syncless.sinks.Callback(
+            lambda step, t, values: rows.append((step, values)))]) as log:
+        for _ in watch(DataLoader(SleepyDataset(4, 0.02), batch_size=1), log=log):
+            pass
+    assert [s for s, _ in rows] == [0, 1, 2, 3]
+    for step, values in rows:
+        assert values["data_wait_ms"] >= 15, (step, values)
+        assert values["step_ms"] >= values["data_wait_ms"]
+        assert "cpu_ms" in values
+
+
+def test_step_monitor_around_any_loop():
+    mon = StepMonitor()
+    for _ in range(5):
+        with mon.data():
+            time.sleep(0.01)
+        with mon.step():
+            time.sleep(0.002)
+    m = mon.summary()
+    assert m.steps == 5
+    assert m.data_ms >= 8 and m.cpu_ms >= 1.5
+    assert mon.summary(skip=2).steps == 3
+
+
+def test_doctor_finds_starvation_with_loader_fix(capsys):
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).sum().backward()
+        opt.step()
+
+    d = doctor(step, steps=6, warmup=1, loader=DataLoader(SleepyDataset(8, 0.02), batch_size=1))
+    out = capsys.readouterr().out
+    f = d.finding("starvation")
+    assert f is not None, out
+    assert d.findings[0] is f, "starvation costs the most here, so it ranks first"
+    assert f.cost_ms >= 15
+    assert "num_workers=" in f.fixes[0] and f"{len(os.sched_getaffinity(0))} CPUs" in f.fixes[0]
+    assert "DataLoader starvation" in out and "data wait" in out
+
+
+def test_doctor_times_dataloaders_the_step_fetches_itself():
+    it = iter(DataLoader(SleepyDataset(64, 0.02), batch_size=1))
+
+    def step():
+        batch = next(it)
+        return batch.sum()
+
+    d = doctor(step, steps=5, warmup=1, file=None)
+    assert d.summary.data_ms >= 15, d.report()
+    assert d.summary.cpu_ms < d.summary.data_ms, "data wait inside the step is not CPU time"
+    assert d.finding("starvation") is not None, d.report()
+
+
+def test_doctor_quiet_loop_has_no_finding():
+    data = TensorDataset(torch.randn(64 * 8, 64))
+    loader = DataLoader(data, batch_size=64)
+    w = torch.randn(64, 512)
+
+    def step(batch):
+        x = batch[0] @ w
+        for _ in range(20):
+            x = torch.tanh(x @ w.T @ w)
+        return x
+
+    d = doctor(step, steps=6, warmup=1, loader=loader, file=None)
+    assert d.findings == [], d.report()
+    assert "no findings" in d.report()
+
+
+# ---- CPU: the audit and the report ---------------------------------------------------------------
+
+def test_audit_of_cpu_code_finds_nothing_and_says_why():
+    x = torch.arange(6.0)
+    with audit() as a:
+        for _ in range(3):
+            x.sum().item()
+            bool(x.max() > 2)
+    assert a.sites == {}
+    report = a.report()
+    if not HAS_CUDA:
+        assert a.backend == "none"
+        assert "CUDA is not available" in report
+    assert "no host-device syncs" in report
+
+
+def test_audit_counts_optimizer_steps():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with audit() as a:
+        for _ in range(4):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+    assert a.step_count == 4
+    assert a.optimizers == [opt]
+
+
+def _two_site_audit():
+    """An Audit holding two real sites of this file, as the CUPTI path records them."""
+    from syncless.doctor._frames import caller_site
+    from syncless.doctor.audit import ASYNC_COPY, SYNC
+    a = Audit(steps=2)
+    a.backend = "cupti"
+    item = caller_site(0)._replace(code="history.append(v.item())")
+    copy = caller_site(0)._replace(line=item.line + 1, code="x = b.to('cuda', non_blocking=True)")
+    for _ in range(8):
+        a._add(a.sites, item, "cudaStreamSynchronize", SYNC, 20_000, True)
+    a._add(a.sites, copy, "cudaMemcpyAsync", ASYNC_COPY, 3_000_000, True)
+    return a, item, copy
+
+
+def test_render_audit_table_ranks_by_blocked_time():
+    a, item, copy = _two_site_audit()
+    report = render_audit(a)
+    lines = report.splitlines()
+    copy_row = next(i for i, l in enumerate(lines) if f"test_doctor.py:{copy.line}" in l)
+    item_row = next(i for i, l in enumerate(lines) if f"test_doctor.py:{item.line}" in l)
+    assert copy_row < item_row, "the 3 ms copy outranks eight 20 µs syncs"
+    assert "count/step" in report and "ms blocked/step" in report
+    assert " 4 " in lines[item_row] + " " and "0.080" in lines[item_row]   # 8 syncs / 2 steps
+    assert "1.500" in lines[copy_row]                                     # 3 ms / 2 steps
+    assert "pin" in report and "syncless.Logger" in report
+
+
+def test_cli_runs_a_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import time, torch
+        from torch.utils.data import DataLoader, Dataset
+        class Slow(Dataset):
+            def __len__(self): return 1000
+            def __getitem__(self, i):
+                time.sleep(0.01)
+                return torch.ones(4)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for b in DataLoader(Slow(), batch_size=2):
+            opt.zero_grad(); model(b).sum().backward(); opt.step()
+        raise SystemExit("the doctor should have stopped the script")
+    """))
+    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--steps", "4", "--warmup",
+                        "1", "--audit-steps", "1", str(script)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "DataLoader starvation" in r.stdout and "num_workers=" in r.stdout, r.stdout
+    assert "4 measured steps" in r.stdout
+
+
+def test_importing_the_sync_finder_loads_neither_cuda_nor_cupti():
+    code = ("import torch\n"
+            "maps = lambda: open('/proc/self/maps').read()\n"
+            "before = maps()\n"
+            "import syncless._cupti, syncless.doctor\n"
+            "after = maps()\n"
+            "print([lib for lib in ('libcupti', 'libcuda.so') "
+            "if lib in after and lib not in before])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+# ---- CUDA: planted bottlenecks -------------------------------------------------------------------
+
+def small_mlp(width=256, depth=4, device="cuda"):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers).to(device)
+
+
+def step_item_logging(model, opt, x, history):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    metrics = {"loss": loss, "max": x.max(), "min": x.min(), "norm": x.norm()}
+    for name, value in metrics.items():
+        history.append(value.item())  # planted
+    return loss
+
+
+def step_explicit_sync(model, x):
+    y = model(x).sum()
+    torch.cuda.synchronize()  # planted
+    return y
+
+
+def step_pageable_copy(model, host_batch):
+    x = host_batch.to("cuda", non_blocking=True)  # planted
+    return model(x[:, :256]).sum()
+
+
+def step_strict(x):
+    y = (x * 2).sum()
+    value = y.item()  # planted
+    return value
+
+
+def require_cupti(a: Audit):
+    if a.backend != "cupti":
+        pytest.fail(f"CUPTI could not subscribe ({a.reason}); torch's fallback cannot see this "
+                    "sync. Is another CUPTI client (profiler, Nsight) active?")
+
+
+@pytest.mark.cuda
+def test_doctor_names_item_logging_line_and_fix():
+    model = small_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device="cuda")
+    history = []
+    d = doctor(lambda: step_item_logging(model, opt, x, history), steps=10, file=None)
+    line = planted(step_item_logging)
+    f = next((f for f in d.findings if f.kind == "sync" and f.where.endswith(f"test_doctor.py:{line}")),
+             None)
+    assert f is not None, d.report()
+    assert "syncless.Logger" in f.fixes[0]
+    s = site_at(d.audit, step_item_logging)
+    assert s.count == 4 * d.audit.step_count, f"4 .item() per step: {s.count} in {d.audit.step_count}"
+    if d.audit.backend == "cupti":
+        assert any("Synchronize" in n for n in s.what), s.what
+        assert s.blocked_ns > 0
+    assert f"test_doctor.py:{line}" in d.report()
+
+
+@pytest.mark.cuda
+def test_audit_sees_explicit_synchronize():
+    model = small_mlp()
+    x = torch.randn(64, 256, device="cuda")
+    a = audit(lambda: step_explicit_sync(model, x), steps=5)
+    require_cupti(a)
+    s = site_at(a, step_explicit_sync)
+    assert s.count == 5
+    assert any("Synchronize" in n for n in s.what), s.what
+    assert "remove the explicit synchronize" in s.fix()
+    assert f"test_doctor.py:{planted(step_explicit_sync)}" in a.report()
+
+
+@pytest.mark.cuda
+def test_audit_sees_pageable_non_blocking_copy():
+    model = small_mlp()
+    host = torch.randn(4096, 4096)              # 64 MB of pageable memory
+    assert not host.is_pinned()
+    a = audit(lambda: step_pageable_copy(model, host), steps=3)
+    require_cupti(a)
+    s = site_at(a, step_pageable_copy)
+    assert s.count == 3
+    assert any("Memcpy" in n for n in s.what), s.what
+    assert s.blocked_ns / 3 > 100_000, f"a 64 MB pageable copy blocks: {s.blocked_ns / 3} ns/step"
+    assert "pin" in s.fix()
+
+
+@pytest.mark.cuda
+def test_strict_audit_raises_at_the_line():
+    x = torch.randn(1000, device="cuda")
+    line = planted(step_strict)
+    with pytest.raises((SyncError, RuntimeError)) as e:
+        with audit(strict=True) as a:
+            step_strict(x)
+    if a.backend == "cupti":
+        assert isinstance(e.value, SyncError)
+        assert f"test_doctor.py:{line}" in str(e.value), str(e.value)
+        assert e.traceback[-1].lineno + 1 == line, "raised in the planted line's frame"
+    torch.cuda.synchronize()
+
+
+class HeavyImages(Dataset):
+    """CPU-heavy transforms: blur passes over a 3x128x128 image per sample."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        img = torch.rand(1, 3, 128, 128, generator=g)
+        for _ in range(12):
+            img = F.avg_pool2d(F.pad(img, (1, 1, 1, 1), mode="reflect"), 3, stride=1)
+        return img[0], i % 10
+
+
+@pytest.mark.cuda
+def test_doctor_finds_num_workers_0_starvation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(HeavyImages(), batch_size=32, num_workers=0)
+
+    def step(batch):
+        x, y = batch[0].cuda(non_blocking=True), batch[1].cuda(non_blocking=True)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    d = doctor(step, steps=8, loader=loader, file=None)
+    f = d.finding("starvation")
+    assert f is not None, d.report()
+    assert d.findings[0] is f, d.report()
+    assert "num_workers=0" in f.fixes[0] and "num_workers=" in f.fixes[0], f.fixes
+    assert any("pin_memory=True" in fix for fix in f.fixes), f.fixes
+
+
+@pytest.mark.cuda
+def test_doctor_finds_launch_bound_batch_1():
+    model = small_mlp(width=256, depth=8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(1, 256, device="cuda")
+
+    def step():
+        loss = model(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    d = doctor(step, steps=30, file=None)
+    f = d.finding("launch-bound")
+    assert f is not None, d.report()
+    assert "CUDA graph" in f.fixes[0] and "reduce-overhead" in f.fixes[0]
+    assert d.finding("starvation") is None and not [g for g in d.findings if g.kind == "sync"], \
+        d.report()
+    if d.kernels is not None:
+        assert d.kernels >= 16, d.report()
+
+
+@pytest.mark.cuda
+def test_clean_loop_gets_no_finding():
+    torch.manual_seed(0)
+    n, dim, batch = 16 * 1024, 1024, 1024
+    data = TensorDataset(torch.randn(n, dim), torch.randn(n, dim))
+    loader = DataLoader(data, sampler=BatchSampler(RandomSampler(data), batch, drop_last=True),
+                        batch_size=None, num_workers=2, pin_memory=True, persistent_workers=True)
+    model = nn.Sequential(nn.Linear(dim, 8192), nn.ReLU(), nn.Linear(8192, 8192), nn.ReLU(),
+                          nn.Linear(8192, dim)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x_static = torch.zeros(batch, dim, device="cuda")
+    y_static = torch.zeros(batch, dim, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                   # warm-up before capture
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x_static), y_static).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss_static = F.mse_loss(model(x_static), y_static)
+        loss_static.backward()
+        opt.step()
+    rows = []
+    with syncless.Logger(every=10, sinks=[syncless.sinks.Callback(
+            lambda s, t, v: rows.append(v))], device="cuda") as log:
+
+        def step(b):
+            x_static.copy_(b[0], non_blocking=True)
+            y_static.copy_(b[1], non_blocking=True)
+            graph.replay()
+            log(loss=loss_static)
+
+        d = doctor(step, steps=30, loader=loader, file=None)
+    assert d.findings == [], d.report()
+    assert "no findings" in d.report()
+    assert rows and all(v["loss"] == v["loss"] for v in rows), "the logged loss is a number"
+
+
+@pytest.mark.cuda
+def test_watch_reads_gpu_time_without_waiting():
+    a = torch.randn(2048, 2048, device="cuda")
+    w = watch(range(10))
+    for _ in w:
+        a = torch.tanh(a @ a) / 2048
+    w.monitor.drain()
+    m = w.summary()
+    assert m.gpu_steps == 10
+    assert m.gpu_ms > 0.01, m
+
+
+@pytest.mark.cuda
+def test_fallback_under_profiler_and_trace(tmp_path):
+    """torch.profiler holds CUPTI: the audit falls back to torch's sync debug mode and says what
+    it misses; doctor(trace=) writes a Perfetto-readable trace. A subprocess, so the profiler's
+    hold on CUPTI cannot leak into other tests."""
+    trace = tmp_path / "trace.json"
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, torch
+        from syncless.doctor import audit, doctor
+        x = torch.randn(1000, device="cuda")
+        def step():
+            return (x * 2).sum().item()  # planted
+        d = doctor(step, steps=3, trace={str(trace)!r}, file=None)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]):
+            with audit() as a:
+                for _ in range(3):
+                    step()
+        print(json.dumps({{"backend": a.backend, "misses": a.misses, "report": a.report(),
+                          "lines": [s.site.line for s in a.sites.values()]}}))
+    """))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "torch-sync-debug", out
+    assert "torch.cuda.synchronize()" in out["misses"] and "missed" in out["report"]
+    planted_line = next(i for i, l in enumerate(script.read_text().splitlines(), 1)
+                        if "# planted" in l)
+    assert planted_line in out["lines"], out["report"]
+    events = json.loads(trace.read_text())
+    assert events.get("traceEvents"), "the trace has events"
