@@ -1,5 +1,6 @@
 """C hygiene: no leaks over 10^6 calls, re-import of the multi-phase-init module, clean import."""
 import gc
+import os
 import subprocess
 import sys
 
@@ -42,7 +43,8 @@ def test_a_million_calls_leak_neither_objects_nor_memory(dev):
     objects = [c[0] for c in checkpoints[1:]]
     rss = [c[1] for c in checkpoints[1:]]
     assert max(objects) - min(objects) < 200, checkpoints
-    assert max(rss) - min(rss) < 8 * 1024, checkpoints              # < 8 MiB drift
+    if not os.environ.get("SYNCLESS_SANITIZE"):     # ASan's quarantine holds freed memory
+        assert max(rss) - min(rss) < 8 * 1024, checkpoints          # < 8 MiB drift
 
 
 def test_the_extension_reimports_cleanly():
