@@ -1,0 +1,116 @@
+"""Always-on cost of syncless.watch(): the same training loop bare and watched, interleaved.
+
+Two steps: a GPU-bound MLP step (a few ms) and a launch-bound batch-1 step (well under 1 ms, the
+worst case for a per-step monitor). Each round times `--steps` steps of every variant between two
+synchronize() calls (the watched loop also reads every GPU time: drain() is inside the timing);
+the order of the variants is shuffled every round. Reported: median ms/step per variant, the ratio
+to the bare loop, and the added µs per step. The target is <= 1% for steps of a few ms.
+
+    python benchmarks/doctor_overhead.py [--device cuda] [--rounds 15] [--steps 200] [--json out]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from syncless import Logger, sinks
+from syncless.doctor import watch
+
+
+def make_step(kind: str, device: str):
+    if kind == "gpu-bound":
+        width, batch, depth = (4096, 512, 4) if device == "cuda" else (512, 64, 2)
+    else:                                             # launch-bound: batch 1, many small kernels
+        width, batch, depth = 256, 1, 8
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device=device)
+
+    def step(_):
+        loss = model(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(variant: str, step, steps: int, device: str) -> float:
+    batches = range(steps)
+    sync(device)
+    t0 = time.perf_counter()
+    if variant == "bare":
+        for b in batches:
+            step(b)
+    elif variant == "watch":
+        w = watch(batches)
+        for b in w:
+            step(b)
+        w.monitor.drain()
+    else:                                             # watch + Logger rows every step
+        with Logger(every=100, sinks=[sinks.Callback(lambda s, t, v: None)]) as log:
+            w = watch(batches, log=log)
+            for b in w:
+                step(b)
+            w.monitor.drain()
+    sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    random.seed(0)
+    torch.manual_seed(0)
+    variants = ["bare", "watch", "watch+log"]
+    results = {}
+    for kind in ("gpu-bound", "launch-bound"):
+        step = make_step(kind, args.device)
+        for v in variants:                            # warm-up: kernels, allocator, event pool
+            run(v, step, 20, args.device)
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            order = variants[:]
+            random.shuffle(order)
+            for v in order:
+                times[v].append(run(v, step, args.steps, args.device))
+        med = {v: statistics.median(t) for v, t in times.items()}
+        results[kind] = {
+            v: {"ms_per_step": med[v], "ratio": med[v] / med["bare"],
+                "added_us_per_step": (med[v] - med["bare"]) * 1e3,
+                "spread_ms": [min(times[v]), max(times[v])]} for v in variants}
+    print(f"syncless.watch() overhead on {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+          + f": {args.rounds} interleaved rounds x {args.steps} steps, medians")
+    print(f"{'step':14}{'variant':11}{'ms/step':>10}{'ratio':>9}{'added µs':>10}")
+    for kind, r in results.items():
+        for v, row in r.items():
+            print(f"{kind:14}{v:11}{row['ms_per_step']:>10.4f}{row['ratio']:>9.4f}"
+                  f"{row['added_us_per_step']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "torch": torch.__version__, "rounds": args.rounds,
+                       "steps": args.steps, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
