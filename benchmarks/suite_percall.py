@@ -95,7 +95,7 @@ def _setup(ctx: Ctx, k: int, tmp: str, errors: dict, shared: dict) -> dict:
                 m.update(v)
         fns["torchmetrics"] = tm_update
     except Exception as exc:
-        errors["torchmetrics"] = f"skipped: {type(exc).__name__}: {exc}"
+        errors["torchmetrics"] = f"torchmetrics skipped: {type(exc).__name__}: {exc}"
 
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -109,21 +109,21 @@ def _setup(ctx: Ctx, k: int, tmp: str, errors: dict, shared: dict) -> dict:
                 tw.add_scalar(n, v, tstep[0])
         fns["tb_native"] = tb_log
     except Exception as exc:
-        errors["tb_native"] = f"skipped: {type(exc).__name__}: {exc}"
+        errors["tb_native"] = f"TensorBoard skipped: {type(exc).__name__}: {exc}"
 
     wb = shared.get("wandb")
     if wb is not None:
         fns["wandb_native"] = lambda: wb.log({n: v.item() for n, v in metrics.items()})
     else:
-        errors["wandb_native"] = shared.get("wandb_error", "skipped: wandb not available")
+        errors["wandb_native"] = "wandb " + shared.get("wandb_error", "not available")
 
     try:
-        from syncless import wandb as swb
         if shared.get("wandb") is None:
-            raise ImportError("wandb is not installed")
+            raise RuntimeError(shared.get("wandb_error", "wandb not available"))
+        from syncless import wandb as swb
         fns["syncless_wandb"] = lambda: swb.log(metrics)     # replayed with .item() later
     except Exception as exc:
-        errors["syncless_wandb"] = f"skipped: {type(exc).__name__}: {exc}"
+        errors["syncless_wandb"] = f"syncless.wandb {exc}"
 
     fns["item"] = lambda: [v.item() for v in vals]
     return fns
