@@ -18,6 +18,11 @@ import traceback
 
 import torch
 
+if __package__ in (None, ""):              # run as a script: python benchmarks/run.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import benchmarks  # noqa: F401
+    __package__ = "benchmarks"
+
 from . import suite_dataloader, suite_launch, suite_logging, suite_percall, suite_timing
 from ._common import Ctx, env_info, md_table, seed_all, slug, write_json
 from .plots import make_plots
