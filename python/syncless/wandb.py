@@ -214,9 +214,12 @@ def init(*args: Any, every: int = 50, **kwargs: Any) -> Any:
     return run
 
 
-def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
-    """`wandb.log` with the same arguments and meaning; tensors are never read here."""
-    run = _wandb.run
+def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None, *,
+        run: Any = None) -> None:
+    """`wandb.log` with the same arguments and meaning; tensors are never read here.
+    run: the run to log to (default: wandb.run); needed for runs made with
+    reinit="create_new", which wandb does not make the global run."""
+    run = run if run is not None else _wandb.run
     if run is None:
         raise _wandb.Error("You must call wandb.init() before syncless.wandb.log()")
     _deferred(run).log(data, step, commit)
