@@ -110,7 +110,8 @@ class Logger:
 
     def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
                  device: str | int | torch.device | None = None, capacity: int | None = None,
-                 windows: int = 4):
+                 windows: int = 4, reduce: str | Mapping[str, str] | None = None,
+                 sinks_on: str = "rank0"):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         if windows < 1:
@@ -119,6 +120,15 @@ class Logger:
             raise ValueError(f"capacity ({capacity}) must hold at least one window ({every} rows)")
         if hasattr(sinks, "write"):
             sinks = [sinks]
+        if sinks_on not in ("rank0", "all"):
+            raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
+        self._reducer = None
+        if reduce is not None:
+            from ._reduce import Reducer
+            self._reducer = Reducer(reduce)
+        self.rank = _rank()
+        if sinks_on == "rank0" and self.rank != 0:
+            sinks = []                   # data-parallel: rank 0 writes, the others only reduce
         self.every = every
         self.sinks = list(sinks)
         self.capacity = capacity or max(2 * every, 64)
@@ -294,6 +304,9 @@ class Logger:
             if ring.capturing():
                 self._flush_due = True               # no copies inside a capture: next call
                 return
+            if self._reducer is not None:        # enqueued before the copy, same stream
+                self._reducer.reduce_ring(self._gen.memory, ring.capacity, ring.columns,
+                                          self._names)
             w = self._take_window()
             ring.copy_to(w.win)
         self._since_flush = 0
@@ -305,6 +318,8 @@ class Logger:
             return
         rows, self._host_rows = self._host_rows, []
         self._since_flush = 0
+        if self._reducer is not None:
+            rows = self._reducer.reduce_rows(rows, self._names)
         with self._cond:
             while self._outstanding >= self._nwindows:
                 self._waits += 1
@@ -473,6 +488,11 @@ class Logger:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._calls} steps"
         return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @atexit.register
