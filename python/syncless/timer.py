@@ -557,11 +557,11 @@ class _Durations:
     def attach(cls, log: Logger) -> "_Durations":
         if not isinstance(log, Logger):
             raise TypeError(f"timer(log=...) takes a syncless.Logger, got {type(log).__name__}")
+        if log.closed:
+            raise ValueError("timer(log=...): this Logger is closed")
         for sink in log.sinks:
             if isinstance(sink, cls):
                 return sink
-        if log.closed:
-            raise ValueError("timer(log=...): this Logger is closed")
         durations = cls(log)
         # A new list, not an insert: the delivery thread may be iterating the old one right now.
         log.sinks = [durations, *log.sinks]
