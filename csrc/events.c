@@ -58,25 +58,21 @@ static PyObject *EventPair_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     int device;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "i", kwlist, &device))
         return NULL;
+    if (device < 0 || device >= SL_MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "syncless: CUDA device %d out of range", device);
+        return NULL;
+    }
     sl_state *st = sl_type_state(type);
     if (sl_driver_load(st))
         return NULL;
     EventPair *self = (EventPair *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
     if (self == NULL)
         return NULL;
+    /* The events are taken at start(), after the capture check: nothing reaches the driver
+     * before we know the stream is not being captured. */
     self->device = device;
+    self->start = self->stop = NULL;
     self->state = 0;
-    CUcontext prev;
-    if (sl_enter_device(st, device, &prev)) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    int rc = sl_event_take(st, device, &self->start) || sl_event_take(st, device, &self->stop);
-    sl_leave_device(st, prev);
-    if (rc) {
-        Py_DECREF(self);
-        return NULL;
-    }
     return (PyObject *)self;
 }
 
@@ -92,7 +88,8 @@ static void EventPair_dealloc(EventPair *self)
     Py_DECREF(type);
 }
 
-static PyObject *record(EventPair *self, CUevent ev, int next_state)
+/* Record the start (which == 0) or the end (1) on torch's current stream of the pair's device. */
+static PyObject *record(EventPair *self, int which)
 {
     sl_state *st = sl_type_state(Py_TYPE(self));
     CUcontext prev;
@@ -109,19 +106,23 @@ static PyObject *record(EventPair *self, CUevent ev, int next_state)
                         "capture; time the graph's replay() instead");
         rc = -1;
     }
+    if (rc == 0 && self->start == NULL)
+        rc = sl_event_take(st, self->device, &self->start) ||
+             sl_event_take(st, self->device, &self->stop);
     if (rc == 0)
-        rc = sl_check(st, st->drv.cuEventRecord(ev, stream), "cuEventRecord");
+        rc = sl_check(st, st->drv.cuEventRecord(which ? self->stop : self->start, stream),
+                      "cuEventRecord");
     sl_leave_device(st, prev);
     if (rc)
         return NULL;
-    self->state = next_state;
+    self->state = which ? 2 : 1;
     Py_RETURN_NONE;
 }
 
 static PyObject *EventPair_start(EventPair *self, PyObject *unused)
 {
     (void)unused;
-    return record(self, self->start, 1);
+    return record(self, 0);
 }
 
 static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
@@ -132,7 +133,7 @@ static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
                         self->state == 0 ? "stop() before start()" : "stop() called twice");
         return NULL;
     }
-    return record(self, self->stop, 2);
+    return record(self, 1);
 }
 
 static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
