@@ -8,6 +8,7 @@ import random
 import re
 import statistics
 import time
+import warnings
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ from syncless.timer import Stats, bench, load_ipython_extension, timer, timers
 
 def within(ms, expected, device="cpu", slack=50.0):
     """A nap of `expected` ms, read in ms. Host sleeps are never shorter, and at most `slack` ms
-    longer (a busy two-core CI machine can be late by tens of ms); spin kernels are within 10%
-    of their calibrated length."""
+    longer (a busy two-core CI machine can be late by tens of ms); spin kernels are within 20%
+    of their calibrated length (the SM clock moves a little). Exact agreement with raw CUDA
+    events is tested separately, at 1%."""
     if device == "cpu":
         return expected - 0.5 <= ms <= expected + slack
-    return 0.9 * expected - 0.05 <= ms <= 1.1 * expected + 0.5
+    return 0.8 * expected - 0.05 <= ms <= 1.25 * expected + 0.5
 
 
 def raw_pair():
@@ -34,12 +36,15 @@ def raw_pair():
 def spin_cycles_per_ms():
     torch.cuda._sleep(1000)                       # load the kernel outside the measurement
     torch.cuda.synchronize()
-    start, end = raw_pair()
-    start.record()
-    torch.cuda._sleep(40_000_000)
-    end.record()
-    end.synchronize()
-    return 40_000_000 / start.elapsed_time(end)
+    rates = []
+    for _ in range(3):                            # the first may run while the clock ramps up
+        start, end = raw_pair()
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        rates.append(20_000_000 / start.elapsed_time(end))
+    return rates[-1]
 
 
 @pytest.fixture
@@ -470,13 +475,17 @@ def test_cuda_graph_capture_is_refused_and_left_intact():
 
 @pytest.mark.cuda
 def test_cuda_bench_agrees_with_triton_do_bench():
-    triton_testing = pytest.importorskip("triton.testing")
+    with warnings.catch_warnings():           # triton's own import-time deprecations
+        warnings.simplefilter("ignore")
+        triton_testing = pytest.importorskip("triton.testing")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fn = lambda: torch.mm(a, b)
     bench(fn, warmup=10, rep=20)              # clocks up
-    ref = triton_testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    ours = bench(fn, warmup=25, rep=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = triton_testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    ours = bench(fn, warmup=25, rep=100)      # both: L2 flushed, one event pair per rep
     assert ours.count == 100
     assert float(ours) == pytest.approx(ref, rel=0.05)
 
@@ -487,20 +496,22 @@ def test_cuda_durations_reach_the_logger_without_syncs():
     torch.cuda.synchronize()
     sink = Collect()
     log = Logger(every=4, sinks=[sink], device="cuda")
-    refs = []
+    losses = [torch.full((), float(i), device="cuda") for i in range(10)]
+    refs = [raw_pair() for _ in range(10)]
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(10):
-            start, end = raw_pair()
+            start, end = refs[i]
             start.record()
             with timer("gpu_step", log=log):
                 torch.cuda._sleep(2_000_000 * (1 + i % 3))
-                log(loss=torch.full((), float(i), device="cuda"))
+                log(loss=losses[i])
             end.record()
-            refs.append((start, end))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     log.close()
+    torch.cuda.synchronize()
     steps = [s for s, _ in sink.rows]
     assert steps == sorted(steps)
     got = by_step(sink.rows)
@@ -508,3 +519,18 @@ def test_cuda_durations_reach_the_logger_without_syncs():
     for i, (start, end) in enumerate(refs):
         assert got[i]["loss"] == float(i)
         assert got[i]["gpu_step"] == pytest.approx(start.elapsed_time(end), rel=0.01, abs=0.02)
+
+
+@pytest.mark.cuda
+def test_cuda_magics_report_gpu_time(shell, capsys):
+    load_ipython_extension(shell)
+    shell.user_ns["cycles"] = int(10 * spin_cycles_per_ms())       # about 10 ms
+    run(shell, "import torch")
+    run(shell, "%%gputime\ntorch.cuda._sleep(cycles)")
+    m = re.fullmatch(r"gpu (\S+) ms, cpu (\S+) ms \(cuda:\d+\)\n", capsys.readouterr().out)
+    assert m, "expected 'gpu X ms, cpu Y ms (cuda:N)'"
+    gpu, cpu = float(m.group(1)), float(m.group(2))
+    assert within(gpu, 10, "cuda") and cpu < gpu / 5
+    stats = run(shell, "%gputimeit -n 10 -w 2 -o torch.cuda._sleep(cycles)")
+    assert stats.count == 10 and within(stats.median, 10, "cuda")
+    assert "CUDA events on cuda:" in capsys.readouterr().out.splitlines()[0]
