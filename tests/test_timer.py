@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from IPython.lib.pretty import pretty
 
 import syncless
 from syncless.logger import Logger
@@ -94,6 +95,7 @@ def test_context_manager_reading(device, nap):
         nap(20)
     assert within(t.ms, 20, device)
     assert t.ready
+    assert pretty(t) == repr(t)                   # IPython shows the same text
     if device == "cpu":
         assert t.cpu_ms == t.ms
         assert t.device == torch.device("cpu")
@@ -435,6 +437,19 @@ def test_cuda_ms_read_at_once_waits_for_the_end_event():
     end.synchronize()
     assert ms == pytest.approx(start.elapsed_time(end), rel=0.01)
     assert t.cpu_ms < ms / 5                  # the host only enqueued the kernel
+
+
+@pytest.mark.cuda
+def test_cuda_repr_never_waits_but_notebook_display_does():
+    per_ms = spin_cycles_per_ms()
+    with timer("shown") as t:
+        torch.cuda._sleep(int(30 * per_ms))
+    assert repr(t).startswith("<timer 'shown' gpu pending, cpu ")
+    assert repr(timer("shown")) == "<timer 'shown': 1 pending>"
+    shown = pretty(t)                         # IPython's display is a read: it waits
+    assert t.ready
+    assert re.fullmatch(r"<timer 'shown' gpu (\S+) ms, cpu \S+ ms>", shown)
+    assert within(float(shown.split()[3]), 30, "cuda")
 
 
 @pytest.mark.cuda

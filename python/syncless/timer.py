@@ -226,7 +226,7 @@ class _Series:
     """The readings of one named timer (shared by every Timer of that name) or of one unnamed
     Timer. GPU readings wait in `_pending` until their end event completed; they are read in
     batches (one cuEventElapsedTime each) so a long run holds few events."""
-    __slots__ = ("name", "_done", "_cpu", "_pending", "_devices", "_lock")
+    __slots__ = ("name", "_done", "_cpu", "_pending", "_devices", "_lock", "_collect_at")
 
     def __init__(self, name: str | None):
         self.name = name
@@ -235,6 +235,7 @@ class _Series:
         self._pending: collections.deque[Timing] = collections.deque()
         self._devices: set[int] = set()
         self._lock = threading.Lock()
+        self._collect_at = _COLLECT_EVERY
 
     def add(self, rec: Timing) -> None:
         self._cpu.append(rec._cpu_ms)
@@ -244,8 +245,11 @@ class _Series:
             self._done.append(rec._ms)
             return
         self._pending.append(rec)
-        if len(self._pending) >= _COLLECT_EVERY:
+        if len(self._pending) >= self._collect_at:
             self.collect(wait=False)
+            # When the GPU is far behind, the oldest is still running: try again a batch later,
+            # not at every use.
+            self._collect_at = len(self._pending) + _COLLECT_EVERY
 
     def collect(self, wait: bool) -> None:
         """Move finished readings from _pending to _done, oldest first; with wait=True all."""
@@ -283,6 +287,7 @@ class _Series:
             self._cpu = array("d")
             self._pending.clear()
             self._devices = set()
+            self._collect_at = _COLLECT_EVERY
 
 
 # ---- the timer ---------------------------------------------------------------------------------
