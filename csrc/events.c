@@ -107,8 +107,9 @@ static PyObject *record(EventPair *self, int which)
         rc = -1;
     }
     if (rc == 0 && self->start == NULL)
-        rc = sl_event_take(st, self->device, &self->start) ||
-             sl_event_take(st, self->device, &self->stop);
+        rc = sl_event_take(st, self->device, &self->start);
+    if (rc == 0 && self->stop == NULL)
+        rc = sl_event_take(st, self->device, &self->stop);
     if (rc == 0)
         rc = sl_check(st, st->drv.cuEventRecord(which ? self->stop : self->start, stream),
                       "cuEventRecord");
