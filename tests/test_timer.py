@@ -452,7 +452,9 @@ def test_cuda_repr_never_waits_but_notebook_display_does():
         torch.cuda._sleep(int(30 * per_ms))
     assert repr(t).startswith("<timer 'shown' gpu pending, cpu ")
     assert repr(timer("shown")) == "<timer 'shown': 1 pending>"
-    shown = pretty(t) if pretty else repr(t)  # IPython's display is a read: it waits
+    if pretty is None:
+        pytest.skip("IPython is not installed: the notebook display half cannot run")
+    shown = pretty(t)                         # IPython's display is a read: it waits
     assert t.ready
     assert re.fullmatch(r"<timer 'shown' gpu (\S+) ms, cpu \S+ ms>", shown)
     assert within(float(shown.split()[3]), 30, "cuda")
