@@ -341,7 +341,7 @@ def test_strict_audit_raises_at_the_line():
         assert f"test_doctor.py:{line}" in str(e.value), str(e.value)
         # Raised inside the planted function (on CPython 3.12 the trace hook fires at the next
         # line event, so the traceback may point one line later; the message names the line).
-        assert any(entry.path == HERE and entry.name == "step_strict" for entry in e.traceback), \
+        assert any(str(entry.path) == HERE and entry.name == "step_strict" for entry in e.traceback), \
             "raised in the frame of the planted function"
     torch.cuda.synchronize()
 

@@ -1,44 +1,51 @@
 """C hygiene: no leaks over 10^6 calls, re-import of the multi-phase-init module, clean import."""
-import gc
+import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
-import syncless
 
+LEAK_LOOP = """
+import gc, json, sys
+import torch, syncless
 
 def rss_kib():
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+dev, calls = sys.argv[1], 1_000_000
+x = torch.tensor(1.5, device=dev)
+y = torch.tensor(7, device=dev)
+seen = [0]
+
+class Count:
+    def write(self, rows):
+        seen[0] += len(rows)
+
+log = syncless.Logger(every=1000, sinks=Count())
+checkpoints = []
+for i in range(calls):
+    log(loss=x, n=y, lr=0.1)
+    if i % 200_000 == 199_999:
+        log.flush()
+        gc.collect()
+        checkpoints.append((len(gc.get_objects()), rss_kib()))
+log.close()
+print(json.dumps({"seen": seen[0], "checkpoints": checkpoints}))
+"""
 
 
 @pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_million_calls_leak_neither_objects_nor_memory(dev):
-    calls, every = 1_000_000, 1000
-    x = torch.tensor(1.5, device=dev)
-    y = torch.tensor(7, device=dev)
-    seen = [0]
-
-    class Count:
-        def write(self, rows):
-            seen[0] += len(rows)
-
-    log = syncless.Logger(every=every, sinks=Count())
-    checkpoints = []
-    for i in range(calls):
-        log(loss=x, n=y, lr=0.1)
-        if i % 200_000 == 199_999:
-            log.flush()
-            gc.collect()
-            checkpoints.append((len(gc.get_objects()), rss_kib()))
-    log.close()
-    assert seen[0] == calls
+    # A fresh process: what earlier tests left behind (a profiler's buffers, say) stays out.
+    out = subprocess.run([sys.executable, "-c", LEAK_LOOP, dev], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    checkpoints = result["checkpoints"]
+    assert result["seen"] == 1_000_000
     # After warm-up the object count and RSS settle: later checkpoints grow by (almost) nothing.
     objects = [c[0] for c in checkpoints[1:]]
     rss = [c[1] for c in checkpoints[1:]]
