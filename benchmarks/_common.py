@@ -11,7 +11,6 @@ import random
 import re
 import shlex
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable

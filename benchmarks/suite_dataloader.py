@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from ._common import Ctx, clock, md_table, num, num_spread, seed_all, summarize
+from ._common import Ctx, clock, md_table, num_spread, seed_all, summarize
 
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from ._common import Ctx, clock, interleave, md_table, num, num_spread, summarize
+from ._common import Ctx, clock, interleave, md_table, num_spread, summarize
 
 KS = (1, 4, 16, 64)
 RING_EVERY = 100

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import threading
-import time
 import weakref
 from typing import Any
 
@@ -31,7 +29,7 @@ except ImportError as exc:                       # torch raises this when tensor
     raise ImportError("syncless.tensorboard needs tensorboard: "
                       "pip install syncless[tensorboard]") from exc
 
-from .logger import Logger
+from ._deferred import Deferred
 
 __all__ = ["SummaryWriter"]
 
@@ -41,13 +39,6 @@ _writers: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
 _ONE, _MANY = 0, 1
 _IN_ROW = object()             # global_step / walltime given as a tensor: read from the row
 _COLUMNS = tuple(str(i) for i in range(256))
-
-
-class _Sink:
-    __slots__ = ("write",)
-
-    def __init__(self, write):
-        self.write = write
 
 
 def _one_element(tag: str, value: Any) -> Any:
@@ -89,11 +80,7 @@ class SummaryWriter(_TorchWriter):
         self.max_delay = max_delay
         self.latest: dict[str, float] = {}
         self.latest_step = -1
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple] = {}     # row id -> what the row is for
-        self._seq = 0
-        self._logger: Logger | None = None
-        self._handed = time.monotonic()
+        self._deferred = Deferred(self._replay, every, max_delay)
         _writers.add(self)
 
     # ---- the deferred path (the caller's thread) ---------------------------------------------
@@ -106,7 +93,7 @@ class SummaryWriter(_TorchWriter):
             metrics["s"], global_step = global_step, _IN_ROW
         if isinstance(walltime, torch.Tensor):
             metrics["w"], walltime = walltime, _IN_ROW
-        self._defer(metrics, (_ONE, tag, global_step, walltime, new_style, double_precision))
+        self._deferred.put(metrics, (_ONE, tag, global_step, walltime, new_style, double_precision))
 
     def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
                     walltime: float | None = None) -> None:
@@ -120,75 +107,44 @@ class SummaryWriter(_TorchWriter):
             metrics["s"], global_step = global_step, _IN_ROW
         if isinstance(walltime, torch.Tensor):
             metrics["w"], walltime = walltime, _IN_ROW
-        self._defer(metrics, (_MANY, main_tag, global_step, walltime, names, None))
-
-    def _defer(self, metrics: dict, record: tuple) -> None:
-        with self._lock:
-            log = self._logger
-            if log is None:
-                log = self._logger = Logger(every=self.every, sinks=[_Sink(self._replay)])
-            seq = self._seq
-            self._pending[seq] = record
-            try:
-                log.log(metrics, seq)
-            except BaseException:
-                del self._pending[seq]
-                raise
-            self._seq = seq + 1
-            if self.max_delay is not None:
-                now = time.monotonic()
-                if now - self._handed >= self.max_delay:
-                    self._handed = now
-                    log.flush(wait=False)                # enqueues one copy; never waits
+        self._deferred.put(metrics, (_MANY, main_tag, global_step, walltime, names, None))
 
     # ---- delivery (the logger's thread) ------------------------------------------------------
 
-    def _replay(self, rows) -> None:
-        for row in rows:
-            record = self._pending.pop(row.step, None)
-            if record is None:                           # a CUDA graph replay: no host record
-                continue
-            kind, tag, step, wall, extra1, extra2 = record
-            values = row.values
-            if step is _IN_ROW:
-                step = int(values["s"])
-            if wall is None:
-                wall = row.time
-            elif wall is _IN_ROW:
-                wall = values["w"]
-            if kind == _ONE:
-                value = values["v"]
-                _TorchWriter.add_scalar(self, tag, value, step, wall, extra1, extra2)
-                self.latest[tag] = value
-            else:
-                scalars = {name: values[_COLUMNS[i]] for i, name in enumerate(extra1)}
-                _TorchWriter.add_scalars(self, tag, scalars, step, wall)
-                for name, value in scalars.items():
-                    self.latest[f"{tag}/{name}"] = value
-            if step is not None:
-                self.latest_step = int(step)
+    def _replay(self, record: tuple, row) -> None:
+        kind, tag, step, wall, extra1, extra2 = record
+        values = row.values
+        if step is _IN_ROW:
+            step = int(values["s"])
+        if wall is None:
+            wall = row.time
+        elif wall is _IN_ROW:
+            wall = values["w"]
+        if kind == _ONE:
+            value = values["v"]
+            _TorchWriter.add_scalar(self, tag, value, step, wall, extra1, extra2)
+            self.latest[tag] = value
+        else:
+            scalars = {name: values[_COLUMNS[i]] for i, name in enumerate(extra1)}
+            _TorchWriter.add_scalars(self, tag, scalars, step, wall)
+            for name, value in scalars.items():
+                self.latest[f"{tag}/{name}"] = value
+        if step is not None:
+            self.latest_step = int(step)
 
     def _write_scalar(self, tag: str, value: float, step: int, walltime: float) -> None:
         """For syncless.sinks.TensorBoard: a value that is already a float, written at once."""
         _TorchWriter.add_scalar(self, tag, value, step, walltime)
 
-    def _deliver(self) -> None:
-        with self._lock:
-            if self._logger is not None:
-                self._logger.flush(wait=True)
-
     # ---- draining ----------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Write every scalar logged so far, then flush the event files to disk."""
-        self._deliver()
+        self._deferred.flush()
         super().flush()
 
     def close(self) -> None:
-        with self._lock:
-            log, self._logger = self._logger, None
-            if log is not None:
-                log.close()
+        self._deferred.close()
         super().close()
 
 

@@ -24,8 +24,6 @@ Any other attribute (`wandb.Image`, `wandb.config`, `wandb.run`, ...) is the rea
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any, Mapping
 
 import torch
@@ -35,7 +33,7 @@ try:
 except ImportError as exc:
     raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
 
-from .logger import Logger
+from ._deferred import Deferred
 
 __all__ = ["init", "log", "flush", "finish"]
 
@@ -44,7 +42,7 @@ _log = logging.getLogger("syncless")
 _MAX_TENSORS = 240             # the gather kernel takes at most 248 values per call
 _COLUMNS = tuple(str(i) for i in range(_MAX_TENSORS))
 _IN_ROW = object()             # step given as a tensor: read from the row
-_states: dict[int, "_Deferred"] = {}     # id(run) -> its deferred calls
+_states: dict[int, "_RunState"] = {}     # id(run) -> its deferred calls
 
 
 class _Slot:
@@ -54,13 +52,6 @@ class _Slot:
     def __init__(self, column: str, cast: type):
         self.column = column
         self.cast = cast
-
-
-class _Sink:
-    __slots__ = ("write",)
-
-    def __init__(self, write):
-        self.write = write
 
 
 def _item_type(dtype: torch.dtype) -> type:
@@ -112,21 +103,15 @@ def _numbers(data: dict, out: dict, prefix: str = "") -> None:
             out[prefix + key] = value
 
 
-class _Deferred:
-    """One run's deferred log() calls: a Logger whose sink replays them to the run in order."""
+class _RunState:
+    """One run's deferred log() calls, replayed to the run in order on the delivery thread."""
 
     def __init__(self, run: Any, every: int = 50, max_delay: float | None = 2.0):
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
         self.run = run
-        self.max_delay = max_delay
         self.latest: dict[str, float] = {}
         self.errors = 0
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple] = {}
-        self._seq = 0
-        self._handed = time.monotonic()
-        self._logger: Logger | None = Logger(every=every, sinks=[_Sink(self._replay)])
+        self.finished = False
+        self._deferred = Deferred(self._replay, every, max_delay)
 
     def log(self, data: Mapping[str, Any], step: Any = None, commit: bool | None = None) -> None:
         if not isinstance(data, Mapping):
@@ -137,65 +122,42 @@ class _Deferred:
         template = _split(data, tensors)
         if isinstance(step, torch.Tensor):
             tensors["step"], step = step, _IN_ROW
-        with self._lock:
-            log = self._logger
-            if log is None:
-                raise _wandb.errors.UsageError(
-                    f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
-                    "be ignored. Please make sure that you are using an active run.")
-            seq = self._seq
-            self._pending[seq] = (template, step, commit)
-            try:
-                log.log(tensors, seq)
-            except BaseException:
-                del self._pending[seq]
-                raise
-            self._seq = seq + 1
-            if self.max_delay is not None:
-                now = time.monotonic()
-                if now - self._handed >= self.max_delay:
-                    self._handed = now
-                    log.flush(wait=False)                # enqueues one copy; never waits
+        if self.finished:
+            raise _wandb.errors.UsageError(
+                f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
+                "be ignored. Please make sure that you are using an active run.")
+        self._deferred.put(tensors, (template, step, commit))
 
-    def _replay(self, rows) -> None:                     # the logger's delivery thread
-        run = self.run
-        for row in rows:
-            record = self._pending.pop(row.step, None)
-            if record is None:                           # a CUDA graph replay: no host record
-                continue
-            template, step, commit = record
-            data = _fill(template, row.values)
-            if step is _IN_ROW:
-                step = int(row.values["step"])
-            data.setdefault("_timestamp", row.time)
-            try:
-                run.log(data, step=step, commit=commit)
-            except Exception as exc:
-                self.errors += 1
-                if self.errors == 1:
-                    _log.error("syncless.wandb: replaying a log() call raised %s: %s (reported "
-                               "once; later calls go on)", type(exc).__name__, exc)
-                continue
-            _numbers(data, self.latest)
+    def _replay(self, record: tuple, row) -> None:       # the logger's delivery thread
+        template, step, commit = record
+        data = _fill(template, row.values)
+        if step is _IN_ROW:
+            step = int(row.values["step"])
+        data.setdefault("_timestamp", row.time)
+        try:
+            self.run.log(data, step=step, commit=commit)
+        except Exception as exc:
+            self.errors += 1
+            if self.errors == 1:
+                _log.error("syncless.wandb: replaying a log() call raised %s: %s (reported "
+                           "once; later calls go on)", type(exc).__name__, exc)
+            return
+        _numbers(data, self.latest)
 
     def flush(self) -> None:
-        with self._lock:
-            if self._logger is not None:
-                self._logger.flush(wait=True)
+        self._deferred.flush()
 
     def close(self) -> None:
-        with self._lock:
-            log, self._logger = self._logger, None
-        if log is not None:
-            log.close()
+        self.finished = True
+        self._deferred.close()
         if _states.get(id(self.run)) is self:
             del _states[id(self.run)]
 
 
-def _deferred(run: Any, every: int | None = None) -> _Deferred:
+def _deferred(run: Any, every: int | None = None) -> _RunState:
     state = _states.get(id(run))
     if state is None or state.run is not run:
-        state = _states[id(run)] = _Deferred(run, every or 50)
+        state = _states[id(run)] = _RunState(run, every or 50)
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
             # EARLY hooks run inside finish() while the run still accepts log().
