@@ -1,7 +1,8 @@
 /* Loading the CUDA driver at run time, mapping its errors to Python, and per-device context and
- * kernel setup. Nothing here runs at import: the first CUDA tensor a logger or timer sees does it. */
-#include "syncless.h"
+ * kernel setup. Nothing here runs at import: the first CUDA tensor a logger or timer sees does it.
+ */
 #include "kernels/gather_ptx.h"
+#include "syncless.h"
 
 #include <dlfcn.h>
 #include <string.h>
@@ -34,13 +35,14 @@ int sl_driver_load(sl_state *st)
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL)
         return driver_fail(st, dlerror());
-    CUresult (*init)(unsigned) = (CUresult(*)(unsigned))dlsym(lib, "cuInit");
-    CUresult (*version)(int *) = (CUresult(*)(int *))dlsym(lib, "cuDriverGetVersion");
+    CUresult (*init)(unsigned) = (CUresult (*)(unsigned))dlsym(lib, "cuInit");
+    CUresult (*version)(int *) = (CUresult (*)(int *))dlsym(lib, "cuDriverGetVersion");
     get_proc_v2 proc2 = (get_proc_v2)dlsym(lib, "cuGetProcAddress_v2");
     get_proc_v1 proc1 = (get_proc_v1)dlsym(lib, "cuGetProcAddress");
     if (init == NULL || version == NULL || (proc1 == NULL && proc2 == NULL)) {
         dlclose(lib);
-        return driver_fail(st, "libcuda.so.1 lacks cuInit/cuGetProcAddress (driver older than 11.3)");
+        return driver_fail(st,
+                           "libcuda.so.1 lacks cuInit/cuGetProcAddress (driver older than 11.3)");
     }
     if (init(0) != CUDA_SUCCESS || version(&st->drv.version) != CUDA_SUCCESS) {
         dlclose(lib);
@@ -52,22 +54,32 @@ int sl_driver_load(sl_state *st)
         void **slot;
     } table[] = {
 #define SL_ENTRY(fn) {#fn, (void **)&st->drv.fn}
-        SL_ENTRY(cuGetErrorName),     SL_ENTRY(cuGetErrorString),
-        SL_ENTRY(cuDeviceGetCount),   SL_ENTRY(cuDeviceGet),
+        SL_ENTRY(cuGetErrorName),
+        SL_ENTRY(cuGetErrorString),
+        SL_ENTRY(cuDeviceGetCount),
+        SL_ENTRY(cuDeviceGet),
         SL_ENTRY(cuDevicePrimaryCtxRetain),
-        SL_ENTRY(cuCtxGetCurrent),    SL_ENTRY(cuCtxSetCurrent),
-        SL_ENTRY(cuModuleLoadData),   SL_ENTRY(cuModuleGetFunction),
-        SL_ENTRY(cuLaunchKernel),     SL_ENTRY(cuMemcpyDtoHAsync),
-        SL_ENTRY(cuMemsetD8Async),    SL_ENTRY(cuEventCreate),
-        SL_ENTRY(cuEventDestroy),     SL_ENTRY(cuEventRecord),
-        SL_ENTRY(cuEventQuery),       SL_ENTRY(cuEventSynchronize),
-        SL_ENTRY(cuEventElapsedTime), SL_ENTRY(cuStreamWaitEvent),
+        SL_ENTRY(cuCtxGetCurrent),
+        SL_ENTRY(cuCtxSetCurrent),
+        SL_ENTRY(cuModuleLoadData),
+        SL_ENTRY(cuModuleGetFunction),
+        SL_ENTRY(cuLaunchKernel),
+        SL_ENTRY(cuMemcpyDtoHAsync),
+        SL_ENTRY(cuMemsetD8Async),
+        SL_ENTRY(cuEventCreate),
+        SL_ENTRY(cuEventDestroy),
+        SL_ENTRY(cuEventRecord),
+        SL_ENTRY(cuEventQuery),
+        SL_ENTRY(cuEventSynchronize),
+        SL_ENTRY(cuEventElapsedTime),
+        SL_ENTRY(cuStreamWaitEvent),
         SL_ENTRY(cuStreamIsCapturing),
 #undef SL_ENTRY
     };
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
-        CUresult rc = proc2 ? proc2(table[i].name, table[i].slot, SL_CUDA_API_VERSION, SL_LEGACY_STREAM, NULL)
-                            : proc1(table[i].name, table[i].slot, SL_CUDA_API_VERSION, SL_LEGACY_STREAM);
+        CUresult rc =
+            proc2 ? proc2(table[i].name, table[i].slot, SL_CUDA_API_VERSION, SL_LEGACY_STREAM, NULL)
+                  : proc1(table[i].name, table[i].slot, SL_CUDA_API_VERSION, SL_LEGACY_STREAM);
         if (rc != CUDA_SUCCESS || *table[i].slot == NULL) {
             dlclose(lib);
             PyErr_Format(PyExc_RuntimeError,
@@ -139,8 +151,9 @@ int sl_gather_functions(sl_state *st, int device, CUfunction out[3])
                      "cuModuleLoadData (JIT of the gather kernel)"))
             return -1;
         for (int i = 0; i < 3; i++)
-            if (sl_check(st, st->drv.cuModuleGetFunction(&st->gather[device][i],
-                                                         st->module[device], names[i]),
+            if (sl_check(st,
+                         st->drv.cuModuleGetFunction(&st->gather[device][i], st->module[device],
+                                                     names[i]),
                          "cuModuleGetFunction"))
                 return -1;
     }

@@ -57,11 +57,11 @@ typedef struct {
 
 /* What a reported call was; the Python side (syncless.doctor.audit) names and explains them. */
 enum {
-    SL_SYNC = 1,         /* an explicit synchronize: stream, device, context or event */
-    SL_COPY = 2,         /* a synchronous memcpy (returns once the copy is done) */
-    SL_ASYNC_COPY = 3,   /* an "async" memcpy that blocked: pageable host memory */
-    SL_FREE = 4,         /* cudaFree / cuMemFree: an implicit device-wide sync */
-    SL_SLOW = 5,         /* any other call that blocked for long (allocation, module load, ...) */
+    SL_SYNC = 1,       /* an explicit synchronize: stream, device, context or event */
+    SL_COPY = 2,       /* a synchronous memcpy (returns once the copy is done) */
+    SL_ASYNC_COPY = 3, /* an "async" memcpy that blocked: pageable host memory */
+    SL_FREE = 4,       /* cudaFree / cuMemFree: an implicit device-wide sync */
+    SL_SLOW = 5,       /* any other call that blocked for long (allocation, module load, ...) */
 };
 
 typedef struct {
@@ -73,11 +73,11 @@ typedef struct {
     CUptiResult (*enable_domain)(uint32_t, CUpti_SubscriberHandle, int);
     CUptiResult (*result_string)(CUptiResult, const char **);
     CUpti_SubscriberHandle subscriber;
-    PyObject *report;           /* report(name, kind, start_ns, blocked_ns); strong reference */
-    pthread_t thread;           /* the audited thread */
+    PyObject *report; /* report(name, kind, start_ns, blocked_ns); strong reference */
+    pthread_t thread; /* the audited thread */
     atomic_int active;
-    atomic_int generation;      /* bumped by start(): resets the nesting of threads caught mid-call */
-    int64_t copy_ns, slow_ns;   /* thresholds for SL_ASYNC_COPY and SL_SLOW */
+    atomic_int generation;    /* bumped by start(): resets the nesting of threads caught mid-call */
+    int64_t copy_ns, slow_ns; /* thresholds for SL_ASYNC_COPY and SL_SLOW */
     atomic_ullong launches, graph_launches;
     unsigned long long reported, report_errors;
 } cupti_state;
@@ -133,8 +133,8 @@ static void deliver(cupti_state *st, const char *name, int kind, int64_t start, 
     PyGILState_STATE g = PyGILState_Ensure();
     if (atomic_load(&st->active) && st->report) {
         tl_depth++; /* CUDA calls made by the report itself are not the user's */
-        PyObject *r = PyObject_CallFunction(st->report, "siLL", name, kind, (long long)start,
-                                            (long long)ns);
+        PyObject *r =
+            PyObject_CallFunction(st->report, "siLL", name, kind, (long long)start, (long long)ns);
         tl_depth--;
         if (r == NULL) {
             st->report_errors++;
@@ -238,15 +238,15 @@ static PyObject *cupti_load(PyObject *module, PyObject *candidates)
         PyErr_Format(PyExc_OSError, "libcupti not found (%s)", why ? why : "no candidates");
         return NULL;
     }
-    st->subscribe = (CUptiResult(*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *))symbol(
+    st->subscribe = (CUptiResult (*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *))symbol(
         lib, "cuptiSubscribe");
-    st->subscribe_v2 = (CUptiResult(*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *,
-                                       CUpti_SubscriberParams *))symbol(lib, "cuptiSubscribe_v2");
-    st->unsubscribe = (CUptiResult(*)(CUpti_SubscriberHandle))symbol(lib, "cuptiUnsubscribe");
-    st->enable_domain = (CUptiResult(*)(uint32_t, CUpti_SubscriberHandle, int))symbol(
-        lib, "cuptiEnableDomain");
-    st->result_string = (CUptiResult(*)(CUptiResult, const char **))symbol(
-        lib, "cuptiGetResultString");
+    st->subscribe_v2 = (CUptiResult (*)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *,
+                                        CUpti_SubscriberParams *))symbol(lib, "cuptiSubscribe_v2");
+    st->unsubscribe = (CUptiResult (*)(CUpti_SubscriberHandle))symbol(lib, "cuptiUnsubscribe");
+    st->enable_domain =
+        (CUptiResult (*)(uint32_t, CUpti_SubscriberHandle, int))symbol(lib, "cuptiEnableDomain");
+    st->result_string =
+        (CUptiResult (*)(CUptiResult, const char **))symbol(lib, "cuptiGetResultString");
     if (!st->subscribe || !st->unsubscribe || !st->enable_domain) {
         Py_XDECREF(used_obj);
         PyErr_SetString(PyExc_OSError, "libcupti lacks the callback API (cuptiSubscribe)");

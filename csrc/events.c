@@ -46,8 +46,7 @@ void sl_events_clear(sl_state *st)
 /* ---- EventPair: the GPU half of syncless.timer() ------------------------------------------- */
 
 typedef struct {
-    PyObject_HEAD
-    int device;
+    PyObject_HEAD int device;
     CUevent start, stop;
     CUstream started_on;
     int state; /* 0 fresh, 1 started, 2 stopped */
@@ -109,7 +108,7 @@ static PyObject *record(EventPair *self, int which)
         /* A recorded event inside capture cannot be queried or timed; refuse before touching
          * the capture, so the user's graph stays intact. */
         PyErr_SetString(PyExc_RuntimeError, "syncless.timer() cannot time work inside CUDA graph "
-                        "capture; time the graph's replay() instead");
+                                            "capture; time the graph's replay() instead");
         rc = -1;
     }
     if (rc == 0 && self->start == NULL)
@@ -174,11 +173,9 @@ static PyObject *read_elapsed(EventPair *self, int wait, int *not_ready)
     if (rc == CUDA_ERROR_NOT_READY && wait) {
         /* The events were made with the blocking-sync flag: this thread sleeps, and the GIL is
          * released so the training thread keeps running meanwhile. */
-        Py_BEGIN_ALLOW_THREADS
-        rc = st->drv.cuEventSynchronize(self->stop);
-        Py_END_ALLOW_THREADS
-        if (rc == CUDA_SUCCESS)
-            rc = st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
+        Py_BEGIN_ALLOW_THREADS rc = st->drv.cuEventSynchronize(self->stop);
+        Py_END_ALLOW_THREADS if (rc == CUDA_SUCCESS) rc =
+            st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
     }
     sl_leave_device(st, prev);
     if (rc == CUDA_ERROR_NOT_READY && !wait) {

@@ -16,16 +16,20 @@ static int kind_of(const DLDataType *t)
     switch (t->code) {
     case kDLFloat:
         return t->bits == 16 ? SL_F16 : t->bits == 32 ? SL_F32 : t->bits == 64 ? SL_F64 : -1;
-    case kDLBfloat:
-        return t->bits == 16 ? SL_BF16 : -1;
+    case kDLBfloat: return t->bits == 16 ? SL_BF16 : -1;
     case kDLInt:
-        return t->bits == 8 ? SL_I8 : t->bits == 16 ? SL_I16 : t->bits == 32 ? SL_I32
-             : t->bits == 64 ? SL_I64 : -1;
+        return t->bits == 8    ? SL_I8
+               : t->bits == 16 ? SL_I16
+               : t->bits == 32 ? SL_I32
+               : t->bits == 64 ? SL_I64
+                               : -1;
     case kDLUInt:
-        return t->bits == 8 ? SL_U8 : t->bits == 16 ? SL_U16 : t->bits == 32 ? SL_U32
-             : t->bits == 64 ? SL_U64 : -1;
-    case kDLBool:
-        return SL_BOOL;
+        return t->bits == 8    ? SL_U8
+               : t->bits == 16 ? SL_U16
+               : t->bits == 32 ? SL_U32
+               : t->bits == 64 ? SL_U64
+                               : -1;
+    case kDLBool: return SL_BOOL;
     }
     return -1;
 }
@@ -39,7 +43,9 @@ static double host_value(const void *p, int kind)
         uint16_t h;
         memcpy(&h, p, 2);
         int e = (h >> 10) & 0x1f, m = h & 0x3ff;
-        double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(m | 0x400, e - 25);
+        double v = e == 0    ? ldexp(m, -24)
+                   : e == 31 ? (m ? NAN : INFINITY)
+                             : ldexp(m | 0x400, e - 25);
         return (h & 0x8000) ? -v : v;
     }
     case SL_BF16: {
@@ -51,16 +57,48 @@ static double host_value(const void *p, int kind)
         memcpy(&f, &w, 4);
         return f;
     }
-    case SL_F32: { float v; memcpy(&v, p, 4); return v; }
-    case SL_F64: { double v; memcpy(&v, p, 8); return v; }
+    case SL_F32: {
+        float v;
+        memcpy(&v, p, 4);
+        return v;
+    }
+    case SL_F64: {
+        double v;
+        memcpy(&v, p, 8);
+        return v;
+    }
     case SL_I8: return *(const int8_t *)p;
-    case SL_I16: { int16_t v; memcpy(&v, p, 2); return v; }
-    case SL_I32: { int32_t v; memcpy(&v, p, 4); return v; }
-    case SL_I64: { int64_t v; memcpy(&v, p, 8); return (double)v; }
+    case SL_I16: {
+        int16_t v;
+        memcpy(&v, p, 2);
+        return v;
+    }
+    case SL_I32: {
+        int32_t v;
+        memcpy(&v, p, 4);
+        return v;
+    }
+    case SL_I64: {
+        int64_t v;
+        memcpy(&v, p, 8);
+        return (double)v;
+    }
     case SL_U8: return *(const uint8_t *)p;
-    case SL_U16: { uint16_t v; memcpy(&v, p, 2); return v; }
-    case SL_U32: { uint32_t v; memcpy(&v, p, 4); return v; }
-    case SL_U64: { uint64_t v; memcpy(&v, p, 8); return (double)v; }
+    case SL_U16: {
+        uint16_t v;
+        memcpy(&v, p, 2);
+        return v;
+    }
+    case SL_U32: {
+        uint32_t v;
+        memcpy(&v, p, 4);
+        return v;
+    }
+    case SL_U64: {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        return (double)v;
+    }
     case SL_BOOL: return *(const uint8_t *)p ? 1.0 : 0.0;
     }
     return NAN;
@@ -82,8 +120,10 @@ static int from_parts(PyObject *name, const char *shape_text, int64_t numel, int
         return -1;
     }
     if (kind < 0) {
-        PyErr_Format(PyExc_TypeError, "metric %R has a dtype syncless cannot log as a real "
-                     "number (complex or packed types are not metrics)", name);
+        PyErr_Format(PyExc_TypeError,
+                     "metric %R has a dtype syncless cannot log as a real "
+                     "number (complex or packed types are not metrics)",
+                     name);
         return -1;
     }
     if (device_type == kDLCPU || device_type == kDLCUDAHost) {
@@ -91,8 +131,10 @@ static int from_parts(PyObject *name, const char *shape_text, int64_t numel, int
         return 0;
     }
     if (device_type != kDLCUDA) {
-        PyErr_Format(PyExc_TypeError, "metric %R lives on a device syncless cannot read (DLPack "
-                     "device type %d); log CPU or CUDA tensors", name, device_type);
+        PyErr_Format(PyExc_TypeError,
+                     "metric %R lives on a device syncless cannot read (DLPack "
+                     "device type %d); log CPU or CUDA tensors",
+                     name, device_type);
         return -1;
     }
     out->cell.bits = (uint64_t)(uintptr_t)data;
@@ -105,7 +147,10 @@ static void shape_string(char *buf, size_t size, const int64_t *shape, int ndim)
 {
     size_t n = (size_t)snprintf(buf, size, "(");
     for (int i = 0; i < ndim && n < size; i++)
-        n += (size_t)snprintf(buf + n, size - n, ndim == 1 ? "%lld," : i ? ", %lld" : "%lld",
+        n += (size_t)snprintf(buf + n, size - n,
+                              ndim == 1 ? "%lld,"
+                              : i       ? ", %lld"
+                                        : "%lld",
                               (long long)shape[i]);
     if (n < size)
         snprintf(buf + n, size - n, ")");
@@ -204,9 +249,13 @@ int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out
         return st->xapi ? read_exchange(st, name, value, out) : read_fallback(st, name, value, out);
     if (PyUnicode_Check(value) || PyBytes_Check(value) || PyComplex_Check(value) ||
         !PyNumber_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "metric %R must be a real number or a one-element tensor, "
-                     "got %s", name, Py_TYPE(value) == &PyUnicode_Type ? "str"
-                     : PyComplex_Check(value) ? "a complex number" : "an unsupported type");
+        PyErr_Format(PyExc_TypeError,
+                     "metric %R must be a real number or a one-element tensor, "
+                     "got %s",
+                     name,
+                     Py_TYPE(value) == &PyUnicode_Type ? "str"
+                     : PyComplex_Check(value)          ? "a complex number"
+                                                       : "an unsupported type");
         return -1;
     }
     /* numpy scalars and other real numbers */

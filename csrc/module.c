@@ -111,7 +111,8 @@ PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"bind_torch", bind_torch, METH_VARARGS,
-     "bind_torch(Tensor, dtype_kinds, exchange_capsule, raw_stream) -> whether the fast path is on"},
+     "bind_torch(Tensor, dtype_kinds, exchange_capsule, raw_stream) -> whether the fast path is "
+     "on"},
     {"values", values, METH_O,
      "values(metrics) -> (device, floats or None): read one call's metrics"},
     {"driver_version", driver_version, METH_NOARGS,
@@ -132,9 +133,11 @@ static int exec_module(PyObject *module)
         !(st->is_cuda_str = PyUnicode_InternFromString("is_cuda")))
         return -1;
     if (sl_CudaError == NULL) {
-        sl_CudaError = PyErr_NewExceptionWithDoc(
-            "syncless.CudaError", "A CUDA driver call failed; the message carries the driver's "
-            "own error name and text.", PyExc_RuntimeError, NULL);
+        sl_CudaError =
+            PyErr_NewExceptionWithDoc("syncless.CudaError",
+                                      "A CUDA driver call failed; the message carries the driver's "
+                                      "own error name and text.",
+                                      PyExc_RuntimeError, NULL);
         if (sl_CudaError == NULL)
             return -1;
     }

@@ -27,25 +27,23 @@ typedef struct {
 } launch_args;
 
 typedef struct {
-    PyObject_HEAD
-    int device;
-    uint64_t base;           /* device address of the header */
+    PyObject_HEAD int device;
+    uint64_t base; /* device address of the header */
     uint32_t capacity, columns, mask_words, row_words;
     CUfunction fn[3];
     CUstream last_stream;
-    CUevent order;           /* orders the ring across a change of the current stream */
+    CUevent order; /* orders the ring across a change of the current stream */
     int launched;
-    int captured_calls;      /* replay counters handed out */
+    int captured_calls; /* replay counters handed out */
 } Ring;
 
 typedef struct {
-    PyObject_HEAD
-    int device;
-    char *host;              /* pinned host memory (a torch tensor the Python side keeps alive) */
+    PyObject_HEAD int device;
+    char *host; /* pinned host memory (a torch tensor the Python side keeps alive) */
     size_t nbytes;
     CUevent done;
     uint32_t capacity, columns, mask_words, row_words; /* layout of the ring last copied here */
-    int pending;             /* a copy was enqueued and not yet waited for */
+    int pending; /* a copy was enqueued and not yet waited for */
 } Window;
 
 static size_t ring_bytes(uint32_t capacity, uint32_t row_words)
@@ -113,8 +111,10 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
     uint32_t n = 0;
     while (PyDict_Next(metrics, &pos, &name, &value)) {
         if (n == 248) {
-            PyErr_Format(PyExc_ValueError, "at most 248 metrics per call (got %zd); split them "
-                         "over two calls with the same step", PyDict_Size(metrics));
+            PyErr_Format(PyExc_ValueError,
+                         "at most 248 metrics per call (got %zd); split them "
+                         "over two calls with the same step",
+                         PyDict_Size(metrics));
             return -1;
         }
         PyObject *col = PyDict_GetItemWithError(columns, name); /* borrowed */
@@ -127,9 +127,11 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
         if (sl_metric_read(st, name, value, &m))
             return -1;
         if (m.device >= 0 && m.device != self->device) {
-            PyErr_Format(PyExc_ValueError, "metric %R is on cuda:%d but this logger's ring is on "
+            PyErr_Format(PyExc_ValueError,
+                         "metric %R is on cuda:%d but this logger's ring is on "
                          "cuda:%d; log each device's metrics with its own Logger, or move the "
-                         "value", name, m.device, self->device);
+                         "value",
+                         name, m.device, self->device);
             return -1;
         }
         m.cell.column = (uint32_t)PyLong_AsUnsignedLong(col);
@@ -170,8 +172,10 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
     if (capturing) {
         if (self->captured_calls == REPLAY_SLOTS) {
-            PyErr_Format(PyExc_RuntimeError, "at most %d log() calls of one Logger can be "
-                         "captured into CUDA graphs", REPLAY_SLOTS);
+            PyErr_Format(PyExc_RuntimeError,
+                         "at most %d log() calls of one Logger can be "
+                         "captured into CUDA graphs",
+                         REPLAY_SLOTS);
             goto done;
         }
         a.tag |= CAPTURED_TAG;
@@ -191,8 +195,9 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     unsigned threads = (a.n > a.mask_words ? a.n : a.mask_words);
     threads = (threads + 31) / 32 * 32;
     void *params[1] = {&a};
-    if (sl_check(st, st->drv.cuLaunchKernel(self->fn[which], 1, 1, 1, threads, 1, 1, 0, stream,
-                                            params, NULL),
+    if (sl_check(st,
+                 st->drv.cuLaunchKernel(self->fn[which], 1, 1, 1, threads, 1, 1, 0, stream, params,
+                                        NULL),
                  "cuLaunchKernel (gather)"))
         goto done;
     if (!capturing) {
@@ -217,8 +222,9 @@ static PyObject *Ring_clear(Ring *self, PyObject *unused)
     if (sl_enter_device(st, self->device, &prev))
         return NULL;
     int rc = sl_current_stream(st, self->device, &stream) ||
-             sl_check(st, st->drv.cuMemsetD8Async(self->base, 0,
-                                                  ring_bytes(self->capacity, self->row_words), stream),
+             sl_check(st,
+                      st->drv.cuMemsetD8Async(self->base, 0,
+                                              ring_bytes(self->capacity, self->row_words), stream),
                       "cuMemsetD8Async");
     sl_leave_device(st, prev);
     if (rc)
@@ -254,8 +260,10 @@ static PyObject *Ring_copy_to(Ring *self, PyObject *arg)
     Window *w = (Window *)arg;
     size_t n = ring_bytes(self->capacity, self->row_words);
     if (w->device != self->device || w->nbytes < n) {
-        PyErr_Format(PyExc_ValueError, "window (cuda:%d, %zu bytes) cannot hold this ring "
-                     "(cuda:%d, %zu bytes)", w->device, w->nbytes, self->device, n);
+        PyErr_Format(PyExc_ValueError,
+                     "window (cuda:%d, %zu bytes) cannot hold this ring "
+                     "(cuda:%d, %zu bytes)",
+                     w->device, w->nbytes, self->device, n);
         return NULL;
     }
     if (w->pending) {
@@ -408,10 +416,8 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
         CUcontext prev;
         if (sl_enter_device(st, self->device, &prev))
             return NULL;
-        Py_BEGIN_ALLOW_THREADS
-        rc = st->drv.cuEventSynchronize(self->done);
-        Py_END_ALLOW_THREADS
-        sl_leave_device(st, prev);
+        Py_BEGIN_ALLOW_THREADS rc = st->drv.cuEventSynchronize(self->done);
+        Py_END_ALLOW_THREADS sl_leave_device(st, prev);
     }
     if (sl_check(st, rc, "cuEventSynchronize (window copy)"))
         return NULL;
@@ -425,8 +431,7 @@ static PyObject *Window_decode(Window *self, PyObject *args)
 {
     unsigned long long from_seq;
     PyObject *names, *nonfinite;
-    if (!PyArg_ParseTuple(args, "KO!O!", &from_seq, &PyList_Type, &names, &PyDict_Type,
-                          &nonfinite))
+    if (!PyArg_ParseTuple(args, "KO!O!", &from_seq, &PyList_Type, &names, &PyDict_Type, &nonfinite))
         return NULL;
     self->pending = 0;
     uint64_t counter;
@@ -439,8 +444,8 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         return NULL;
     Py_ssize_t nnames = PyList_Size(names);
     for (uint64_t seq = first; seq < counter; seq++) {
-        const uint64_t *row =
-            (const uint64_t *)(self->host + HEADER_BYTES) + (seq % self->capacity) * self->row_words;
+        const uint64_t *row = (const uint64_t *)(self->host + HEADER_BYTES) +
+                              (seq % self->capacity) * self->row_words;
         if (row[0] != seq)
             continue; /* not written in stream order before the copy (another stream's write) */
         const uint64_t *mask = row + 4;
@@ -479,9 +484,9 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         }
         double time;
         memcpy(&time, &row[3], 8);
-        PyObject *item = Py_BuildValue("(KKLdN)", (unsigned long long)row[0],
-                                       (unsigned long long)row[1], (long long)(int64_t)row[2],
-                                       time, d);
+        PyObject *item =
+            Py_BuildValue("(KKLdN)", (unsigned long long)row[0], (unsigned long long)row[1],
+                          (long long)(int64_t)row[2], time, d);
         if (item == NULL || PyList_Append(rows, item)) {
             Py_XDECREF(item);
             goto error;
@@ -502,8 +507,7 @@ static PyObject *Window_get_pending(Window *self, void *closure)
 
 static PyMethodDef Window_methods[] = {
     {"ready", (PyCFunction)Window_ready, METH_NOARGS, "True once the copy landed (no wait)."},
-    {"wait", (PyCFunction)Window_wait, METH_NOARGS,
-     "Sleep until the copy landed (GIL released)."},
+    {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
      "decode(from_seq, names, nonfinite) -> (counter, rows)"},
     {NULL, NULL, 0, NULL},

@@ -99,21 +99,30 @@ typedef struct {
 /* What the gather kernel reads for one cell; the order is part of the kernel's ABI. */
 enum sl_kind {
     SL_HOST = 0, /* value carried by the launch itself (a Python number or a CPU tensor) */
-    SL_F16, SL_BF16, SL_F32, SL_F64,
-    SL_I8, SL_I16, SL_I32, SL_I64,
-    SL_U8, SL_U16, SL_U32, SL_U64,
+    SL_F16,
+    SL_BF16,
+    SL_F32,
+    SL_F64,
+    SL_I8,
+    SL_I16,
+    SL_I32,
+    SL_I64,
+    SL_U8,
+    SL_U16,
+    SL_U32,
+    SL_U64,
     SL_BOOL,
 };
 
 typedef struct {
-    uint64_t bits;      /* device address, or the host value as IEEE-754 binary64 bits */
+    uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
     uint32_t column;
     uint32_t kind;
 } sl_cell;
 
 typedef struct {
     sl_cell cell;
-    int device;         /* CUDA ordinal, or -1 for a host value */
+    int device; /* CUDA ordinal, or -1 for a host value */
 } sl_metric;
 
 /* ---- module state -------------------------------------------------------------------------- */
@@ -123,14 +132,14 @@ typedef struct {
     PyTypeObject *ring_type;
     PyTypeObject *window_type;
     PyTypeObject *timer_type;
-    PyObject *tensor_type;          /* torch.Tensor once registered, else NULL */
-    const sl_exchange_api *xapi;    /* borrowed from the capsule we keep in xapi_capsule */
+    PyObject *tensor_type;       /* torch.Tensor once registered, else NULL */
+    const sl_exchange_api *xapi; /* borrowed from the capsule we keep in xapi_capsule */
     PyObject *xapi_capsule;
     PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_cuda_str;
-    PyObject *dtype_codes;          /* {torch.dtype: kind} for the fallback path */
-    PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, for the fallback path */
+    PyObject *dtype_codes; /* {torch.dtype: kind} for the fallback path */
+    PyObject *raw_stream;  /* torch._C._cuda_getCurrentRawStream, for the fallback path */
     /* The driver: loaded on first use. */
-    int driver_state;               /* 0 untried, 1 loaded, -1 failed */
+    int driver_state; /* 0 untried, 1 loaded, -1 failed */
     void *libcuda;
     sl_driver drv;
     CUcontext ctx[SL_MAX_DEVICES];
@@ -145,8 +154,8 @@ sl_state *sl_get_state(PyObject *module);
 sl_state *sl_type_state(PyTypeObject *type);
 
 /* cuda.c */
-int sl_driver_load(sl_state *st);                       /* 0, or -1 with an exception set */
-int sl_check(sl_state *st, CUresult rc, const char *what);   /* 0, or -1 with CudaError set */
+int sl_driver_load(sl_state *st);                          /* 0, or -1 with an exception set */
+int sl_check(sl_state *st, CUresult rc, const char *what); /* 0, or -1 with CudaError set */
 int sl_enter_device(sl_state *st, int device, CUcontext *prev);
 void sl_leave_device(sl_state *st, CUcontext prev);
 int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
