@@ -505,12 +505,23 @@ def test_cuda_bench_agrees_with_triton_do_bench():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     fn = lambda: torch.mm(a, b)
     bench(fn, warmup=10, rep=20)              # clocks up
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = triton_testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    ours = bench(fn, warmup=25, rep=100)      # both: L2 flushed, one event pair per rep
+
+    def triton_ms():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return triton_testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    # This matmul heats the card and its clocks drift between runs: compare adjacent runs, in
+    # both orders, and take the median ratio.
+    ratios = []
+    for _ in range(3):
+        ref = triton_ms()
+        ours = bench(fn, warmup=25, rep=100)  # both: L2 flushed, one event pair per rep
+        ratios.append(float(ours) / ref)
+        ours = bench(fn, warmup=25, rep=100)
+        ratios.append(float(ours) / triton_ms())
     assert ours.count == 100
-    assert float(ours) == pytest.approx(ref, rel=0.05)
+    assert statistics.median(ratios) == pytest.approx(1.0, rel=0.05), ratios
 
 
 @pytest.mark.cuda
