@@ -34,6 +34,9 @@ static int kind_of(const DLDataType *t)
     return -1;
 }
 
+/* A value of type T at p, which may be unaligned (a 0-dim view into a packed buffer). */
+#define load_as(T, p) (*(const T *)memcpy(&(T){0}, (p), sizeof(T)))
+
 /* Read a value of `kind` from host memory; CPU tensors are read at the call, like the kernel
  * reads device tensors at the call in stream order. */
 static double host_value(const void *p, int kind)
@@ -57,48 +60,16 @@ static double host_value(const void *p, int kind)
         memcpy(&f, &w, 4);
         return f;
     }
-    case SL_F32: {
-        float v;
-        memcpy(&v, p, 4);
-        return v;
-    }
-    case SL_F64: {
-        double v;
-        memcpy(&v, p, 8);
-        return v;
-    }
-    case SL_I8: return *(const int8_t *)p;
-    case SL_I16: {
-        int16_t v;
-        memcpy(&v, p, 2);
-        return v;
-    }
-    case SL_I32: {
-        int32_t v;
-        memcpy(&v, p, 4);
-        return v;
-    }
-    case SL_I64: {
-        int64_t v;
-        memcpy(&v, p, 8);
-        return (double)v;
-    }
-    case SL_U8: return *(const uint8_t *)p;
-    case SL_U16: {
-        uint16_t v;
-        memcpy(&v, p, 2);
-        return v;
-    }
-    case SL_U32: {
-        uint32_t v;
-        memcpy(&v, p, 4);
-        return v;
-    }
-    case SL_U64: {
-        uint64_t v;
-        memcpy(&v, p, 8);
-        return (double)v;
-    }
+    case SL_F32: return load_as(float, p);
+    case SL_F64: return load_as(double, p);
+    case SL_I8: return load_as(int8_t, p);
+    case SL_I16: return load_as(int16_t, p);
+    case SL_I32: return load_as(int32_t, p);
+    case SL_I64: return (double)load_as(int64_t, p);
+    case SL_U8: return load_as(uint8_t, p);
+    case SL_U16: return load_as(uint16_t, p);
+    case SL_U32: return load_as(uint32_t, p);
+    case SL_U64: return (double)load_as(uint64_t, p);
     case SL_BOOL: return *(const uint8_t *)p ? 1.0 : 0.0;
     }
     return NAN;
