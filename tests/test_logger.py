@@ -300,3 +300,29 @@ def test_unclosed_logger_is_drained_at_interpreter_exit(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(line)["x"] for line in lines] == [float(i) for i in range(25)]
+
+
+def test_print_sink_shows_last_value_and_window_mean(device, capsys):
+    with syncless.Logger(every=4, sinks=syncless.sinks.Print()) as log:
+        for i in range(6):
+            log(loss=scalar(float(i), device), acc=0.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["step 0-3 | loss 3 (mean 1.5) | acc 0.5 (mean 0.5)",
+                     "step 4-5 | loss 5 (mean 4.5) | acc 0.5 (mean 0.5)"]
+
+
+def test_a_user_sink_in_a_few_lines(device):
+    class Totals:                                   # the whole sink protocol: write(rows)
+        def __init__(self):
+            self.sum = {}
+
+        def write(self, rows):
+            for row in rows:
+                for name, value in row.values.items():
+                    self.sum[name] = self.sum.get(name, 0.0) + value
+
+    totals = Totals()
+    with syncless.Logger(every=3, sinks=totals) as log:
+        for i in range(10):
+            log(loss=scalar(float(i), device))
+    assert totals.sum == {"loss": 45.0}
