@@ -150,3 +150,21 @@ def test_host_rows_before_the_first_cuda_metric_keep_their_order():
         log(x=4.0)
     assert sink.rows == [(i, {"x": float(i + 1)}) for i in range(4)]
     assert log.device == torch.device("cuda", 0)
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+def test_flush_and_close_inside_capture_are_refused_and_lose_nothing():
+    sink = Collect()
+    log = syncless.Logger(every=100, sinks=sink, device="cuda")
+    x = torch.full((), 3.0, device="cuda")
+    log(x=x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+            log.flush()
+        with pytest.raises(RuntimeError, match="close after capture ends"):
+            log.close()
+    assert not log.closed
+    log.close()
+    assert sink.rows == [(0, {"x": 3.0})]

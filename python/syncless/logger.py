@@ -438,9 +438,10 @@ class Logger:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent."""
         if self._closed:
             return
+        if self._gen is not None and self._gen.ring.capturing():
+            # Refused before anything changes: the logger stays open and loses nothing.
+            raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
         try:
-            if self._gen is not None and self._gen.ring.capturing():
-                raise RuntimeError("close() inside CUDA graph capture")
             self._flush_window()
             self._drain()
         finally:
