@@ -1,0 +1,72 @@
+"""The step monitor's GPU sampling: how often it records events, and what it reports then."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncless.doctor import watch
+from syncless.doctor.monitor import _MAX_EVERY, GPU_BUDGET, StepMonitor, sampling_interval
+
+
+def test_sampling_interval_keeps_event_cost_under_budget():
+    cost = 8e-6                                        # two event records + a poll, H200 host
+    for wall, expect in [(10e-3, 1), (4e-3, 1), (1.8e-3, 2), (0.5e-3, 7), (1e-6, _MAX_EVERY)]:
+        n = sampling_interval(cost, wall)
+        assert n == expect, (wall, n)
+        assert n == _MAX_EVERY or cost / n <= GPU_BUDGET * wall * (1 + 1e-9)
+    assert sampling_interval(cost, 0.0) == _MAX_EVERY
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_gpu_every_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="gpu_every"):
+        StepMonitor(gpu_every=bad)
+    with pytest.raises(ValueError, match="gpu_every"):
+        watch(range(3), gpu_every=bad)
+
+
+def test_cpu_loop_records_every_step_without_gpu_timing():
+    w = watch(range(50))
+    assert sum(1 for _ in w) == 50
+    m = w.summary()
+    assert m.steps == 50 and m.gpu_ms is None and m.gpu_steps == 0 and w.monitor.untimed == 0
+
+
+@pytest.mark.cuda
+def test_short_steps_are_sampled_long_steps_all_timed():
+    small = torch.randn(64, 64, device="cuda")
+    w = watch(range(400))                              # ~tens of µs per step: a sample
+    for _ in w:
+        small = torch.tanh(small @ small)
+    w.monitor.drain()
+    short = w.summary()
+    assert short.steps == 400
+    assert 400 // _MAX_EVERY <= short.gpu_steps < 400, short
+    assert short.gpu_ms > 0 and w.monitor.untimed == 0
+
+    # Steps of ~4 ms: every one is timed once the first few taught the monitor the event cost.
+    # The host waits for the step before the last one, as a real loop does once the launch
+    # queue is full; without that the host would run ahead.
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    w = watch(range(20))
+    for i in w:
+        done[i % 2].synchronize()
+        for _ in range(3):
+            big = torch.tanh(big @ big) / 8192
+        done[i % 2].record()
+    w.monitor.drain()
+    long = w.summary()
+    timed = sorted(w.monitor.gpu_ms)
+    assert timed[-10:] == list(range(10, 20)), timed
+    assert long.gpu_ms > 1.5, long                     # 3 × 8192³ bf16 matmul: ~4 ms on an H200
+
+
+@pytest.mark.cuda
+def test_gpu_every_fixed_interval():
+    a = torch.randn(256, 256, device="cuda")
+    w = watch(range(30), gpu_every=5)
+    for _ in w:
+        a = torch.tanh(a @ a)
+    w.monitor.drain()
+    assert sorted(w.monitor.gpu_ms) == [0, 5, 10, 15, 20, 25]
