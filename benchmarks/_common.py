@@ -68,6 +68,23 @@ def summarize(xs: Iterable[float]) -> dict:
             "p75": quantile(s, 0.75), "min": min(s), "max": max(s)}
 
 
+def median_ci(xs: Iterable[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free confidence interval of the median: the order statistics x(l), x(n+1-l)
+    with the largest l such that P(Binomial(n, 1/2) < l) <= (1 - level) / 2. Unlike the IQR it
+    narrows as rounds are added. None when there are too few values for the level."""
+    s = sorted(float(x) for x in xs if x is not None and not math.isnan(x))
+    n = len(s)
+    tail, l, cdf = (1 - level) / 2, 0, 0.0
+    while True:
+        cdf_next = cdf + math.comb(n, l) / 2 ** n       # P(B <= l)
+        if cdf_next > tail:
+            break
+        cdf, l = cdf_next, l + 1
+    if l == 0:
+        return None
+    return s[l - 1], s[n - l]
+
+
 def paired_ratios(values: dict, name: str, base: str) -> list[float]:
     """Per-round ratio of a variant to the baseline measured in the same round. Pairing by round
     removes slow drift (clocks, thermals, other tenants) that a ratio of medians would keep."""
@@ -187,6 +204,13 @@ def pct_spread(s: dict | None) -> str:
     if not s or s.get("median") is None:
         return "n/a"
     return (f"{pct(s['median'])} [{(s['p25'] - 1) * 100:+.1f}, {(s['p75'] - 1) * 100:+.1f}]")
+
+
+def pct_ci(ci: list | tuple | None) -> str:
+    """A ratio's confidence interval as percentage changes: '[-0.3, +1.1]'."""
+    if not ci:
+        return "n/a"
+    return f"[{(ci[0] - 1) * 100:+.1f}, {(ci[1] - 1) * 100:+.1f}]"
 
 
 def num(x: float | None, digits: int = 3) -> str:

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from benchmarks._common import (beyond_spread, clean, interleave, md_table, paired_ratios,
-                                pct_spread, quantile, summarize, write_json)
+from benchmarks._common import (beyond_spread, clean, interleave, md_table, median_ci,
+                                paired_ratios, pct_ci, pct_spread, quantile, summarize,
+                                write_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,6 +29,19 @@ def test_summarize_reports_median_and_spread_and_ignores_nan():
     s = summarize([5.0, 1.0, 3.0, float("nan"), 2.0, 4.0])
     assert s == {"n": 5, "median": 3.0, "p25": 2.0, "p75": 4.0, "min": 1.0, "max": 5.0}
     assert summarize([])["median"] is None
+
+
+def test_median_ci_is_order_statistics_with_95_percent_coverage():
+    assert median_ci(range(1, 31)) == (10.0, 21.0)      # n=30: x(10), x(21)
+    assert median_ci([3.0, 1.0, 2.0, 5.0, 4.0, 6.0]) == (1.0, 6.0)   # n=6: only min–max
+    assert median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # n=5 cannot reach 95%
+    assert pct_ci((0.997, 1.011)) == "[-0.3, +1.1]" and pct_ci(None) == "n/a"
+    rng = random.Random(1)                              # it covers the true median ~95% of
+    hits = 0                                            # the time, whatever the distribution
+    for _ in range(2000):
+        lo, hi = median_ci([rng.expovariate(1.0) for _ in range(30)])
+        hits += lo <= math.log(2) <= hi
+    assert 0.94 <= hits / 2000 <= 0.98
 
 
 def test_paired_ratios_pair_by_round_and_spread_decides_claims():
