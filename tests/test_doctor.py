@@ -202,9 +202,29 @@ def test_render_audit_table_ranks_by_blocked_time():
     assert "pin" in report and "syncless.Logger" in report
 
 
-def test_cli_runs_a_script(tmp_path):
+def run_cli(tmp_path, script_text, *options, args=(), timeout=300):
+    """`python -m syncless doctor <options> train.py <args>` on `script_text`, in tmp_path."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(textwrap.dedent(script_text))
+    return subprocess.run([sys.executable, "-m", "syncless", "doctor", *options, str(script),
+                           *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=tmp_path, env=dict(os.environ))
+
+
+# A tiny CPU loop: one Linear (one aten::addmm forward per step), `sys.argv[1]` steps.
+CPU_LOOP = """
+    import sys, torch
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1000):
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+    print("the script ran to its end")
+"""
+
+
+def test_cli_runs_a_script(tmp_path):
+    r = run_cli(tmp_path, """
         import time, torch
         from torch.utils.data import DataLoader, Dataset
         class Slow(Dataset):
@@ -217,13 +237,84 @@ def test_cli_runs_a_script(tmp_path):
         for b in DataLoader(Slow(), batch_size=2):
             opt.zero_grad(); model(b).sum().backward(); opt.step()
         raise SystemExit("the doctor should have stopped the script")
-    """))
-    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--steps", "4", "--warmup",
-                        "1", "--audit-steps", "1", str(script)], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
+    """, "--steps", "4", "--warmup", "1", "--audit-steps", "1")
     assert r.returncode == 0, r.stderr
     assert "DataLoader starvation" in r.stdout and "num_workers=" in r.stdout, r.stdout
-    assert "4 measured steps" in r.stdout
+    assert "4 measured steps (+1 warm-up, 1 audited)" in r.stdout, r.stdout
+    assert "note:" not in r.stdout, "every phase ran: nothing to note"
+
+
+def test_cli_trace_writes_the_traced_steps(tmp_path):
+    r = run_cli(tmp_path, CPU_LOOP, "--steps", "2", "--warmup", "1", "--audit-steps", "1",
+                "--trace", "out.json", "--trace-steps", "3")
+    assert r.returncode == 0, r.stderr
+    assert "the script ran to its end" not in r.stdout, "stopped after the traced steps"
+    assert "trace: out.json (open in https://ui.perfetto.dev)" in r.stdout, r.stdout
+    with open(tmp_path / "out.json") as f:
+        events = json.load(f)["traceEvents"]
+    names = [e.get("name") for e in events]
+    assert names.count("aten::addmm") == 3, "one Linear forward per traced step, 3 steps"
+    assert "aten::mm" in names and "Optimizer.step#SGD.step" in names
+
+
+@pytest.mark.parametrize("steps, missed", [
+    (4, "the script ended after 4 optimizer steps: the monitor ran 3 of 5 steps, the audit did "
+        "not run, the trace did not run"),
+    (8, "the script ended after 8 optimizer steps: the audit ran 2 of 3 steps, the trace did "
+        "not run"),
+    (10, "the script ended after 10 optimizer steps: the trace ran 1 of 2 steps"),
+])
+def test_cli_script_ending_early_gets_the_report_of_what_ran(tmp_path, steps, missed):
+    # 1 warm-up + 5 monitored + 3 audited + 2 traced = 11 steps; the script runs fewer.
+    r = run_cli(tmp_path, CPU_LOOP, "--warmup", "1", "--steps", "5", "--audit-steps", "3",
+                "--trace", "out.json", "--trace-steps", "2", args=[str(steps)])
+    assert r.returncode == 0, r.stderr
+    assert "the script ran to its end" in r.stdout
+    assert f"{min(5, steps - 1)} measured steps" in r.stdout, r.stdout
+    assert f"note: {missed}; all phases take 11 steps" in r.stdout, r.stdout
+    traced = steps == 10
+    assert ("trace: out.json" in r.stdout) == traced
+    assert (tmp_path / "out.json").exists() == traced, "a trace only when the trace phase ran"
+    if traced:                          # stopped and written when the script ended
+        with open(tmp_path / "out.json") as f:
+            names = [e.get("name") for e in json.load(f)["traceEvents"]]
+        assert names.count("aten::addmm") == 1, "the one traced step, not the script's exit"
+    if steps < 8:
+        assert "sync finder: off (the script ended before the audit)" in r.stdout
+
+
+def test_cli_script_error_comes_after_the_report(tmp_path):
+    r = run_cli(tmp_path, """
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(100):
+            opt.zero_grad(); model(torch.ones(2, 8)).sum().backward(); opt.step()
+            if step == 6:
+                raise ValueError("diverged at step 6")
+    """, "--warmup", "2", "--steps", "3")
+    assert r.returncode == 1
+    assert "ValueError: diverged at step 6" in r.stderr
+    assert "3 measured steps (+2 warm-up, 2 audited)" in r.stdout, r.stdout
+    assert "the script ended after 7 optimizer steps: the audit ran 2 of 10 steps" in r.stdout
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--steps", "0", "x.py"], "argument --steps: must be at least 1, got 0"),
+    (["--audit-steps", "two", "x.py"], "argument --audit-steps: expected a whole number, got 'two'"),
+    (["--warmup", "-1", "x.py"], "argument --warmup: must be at least 0, got -1"),
+    (["no_such_script.py"], "script not found: no_such_script.py"),
+    (["--trace", "no_such_folder/t.json", "x.py"], "--trace: folder "),
+])
+def test_cli_rejects_bad_input(tmp_path, monkeypatch, capsys, argv, error):
+    from syncless.doctor import cli
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python -m syncless doctor: error: {error}" in err, err
 
 
 def test_importing_the_sync_finder_loads_neither_cuda_nor_cupti():
@@ -492,3 +583,77 @@ def test_fallback_under_profiler_and_trace(tmp_path):
     assert planted_line in out["lines"], out["report"]
     events = json.loads(trace.read_text())
     assert events.get("traceEvents"), "the trace has events"
+
+
+# ---- CUDA: the CLI on whole scripts --------------------------------------------------------------
+
+def cuda_loop(setup: str, steps: int) -> str:
+    """A training script: `setup` defines model, opt and the batch x on CUDA; `steps` steps, more
+    than the doctor needs, so reaching the end means it did not stop the script."""
+    return textwrap.dedent(setup) + textwrap.dedent(f"""
+        for _ in range({steps}):
+            loss = model(x).float().square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        raise SystemExit("the doctor should have stopped the script")
+    """)
+
+
+@pytest.mark.cuda
+def test_cli_finds_launch_bound_batch_1(tmp_path):
+    r = run_cli(tmp_path, cuda_loop("""
+        import torch
+        from torch import nn
+        layers = []
+        for _ in range(8):
+            layers += [nn.Linear(256, 256), nn.ReLU()]
+        model = nn.Sequential(*layers).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=False)
+        x = torch.randn(1, 256, device="cuda")
+    """, 80), "--steps", "20", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "20 measured steps (+3 warm-up, 10 audited, 3 probed)" in out, out
+    assert "GPU work (queue full)" in out and "kernels / step" in out, out
+    assert "1. Launch-bound: up to" in out, out
+    assert "capture the step in a CUDA graph" in out and "reduce-overhead" in out, out
+    assert "SGD(..., fused=True)" in out, "the fix names the optimizer the audit saw"
+    assert "Sync at" not in out and "DataLoader starvation" not in out, out
+    assert "note:" not in out, out
+
+
+@pytest.mark.cuda
+def test_cli_gpu_bound_script_gets_the_gpu_bound_verdict(tmp_path):
+    r = run_cli(tmp_path, cuda_loop("""
+        import torch
+        from torch import nn
+        model = nn.Sequential(*[nn.Linear(8192, 8192, bias=False) for _ in range(4)])
+        model = model.to("cuda", torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    """, 40), "--steps", "20", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "20 measured steps (+3 warm-up, 10 audited, 3 probed)" in out, out
+    assert "GPU work (queue full)" in out, out
+    assert "Launch-bound" not in out, out
+    assert "no findings: the GPU is busy" in out and "(GPU-bound)" in out, out
+
+
+@pytest.mark.cuda
+def test_cli_trace_on_cuda_holds_the_kernels(tmp_path):
+    r = run_cli(tmp_path, cuda_loop("""
+        import torch
+        model = torch.nn.Linear(512, 512).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(64, 512, device="cuda")
+    """, 100), "--steps", "5", "--audit-steps", "3", "--trace", "out.json", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "sync finder: CUPTI callbacks" in r.stdout, "the audit had CUPTI before the trace"
+    assert "trace: out.json" in r.stdout, r.stdout
+    with open(tmp_path / "out.json") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert kernels, sorted({e.get("cat") for e in events}, key=str)
+    assert [e for e in events if e.get("name") == "aten::addmm"], "the CPU ops are there too"

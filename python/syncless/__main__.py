@@ -1,4 +1,5 @@
-"""python -m syncless doctor script.py [args] (the doctor on a script), python -m syncless demo."""
+"""python -m syncless doctor [options] script.py [args] (the doctor on a script: warm-up, monitor,
+probe, audit and trace phases at its optimizer steps), python -m syncless demo."""
 import sys
 
 
@@ -7,8 +8,15 @@ def main(argv: list[str]) -> int:
         from .demo import main as demo_main
         return demo_main(argv[1:])
     if argv[:1] != ["doctor"]:
-        print("usage: python -m syncless doctor [--steps N] [--warmup N] script.py [args...]\n"
-              "       python -m syncless demo [--steps N]", file=sys.stderr)
+        print("usage: python -m syncless doctor [--warmup N] [--steps N] [--probe-steps N] "
+              "[--audit-steps N]\n"
+              "                                 [--trace PATH [--trace-steps N]] script.py "
+              "[args...]\n"
+              "       python -m syncless demo [--steps N]\n"
+              "The doctor runs the script through its phases (warm-up, monitor, probe on CUDA, "
+              "audit, trace\nwith --trace) at its optimizer steps, stops it and prints where a "
+              "step's time goes, with the\nfixes; python -m syncless doctor --help says more.",
+              file=sys.stderr)
         return 2
     from .doctor.cli import main as doctor_main
     return doctor_main(argv[1:])

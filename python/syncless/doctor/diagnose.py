@@ -25,7 +25,7 @@ from .audit import Audit
 from .monitor import MonitorSummary, StepMonitor, loader_settings
 from .report import Finding, launch_finding, render_doctor, starvation_finding, sync_findings
 
-__all__ = ["doctor", "Diagnosis", "timed_dataloaders"]
+__all__ = ["doctor", "Diagnosis", "assess", "QueueProbe", "timed_dataloaders"]
 
 
 @dataclass
@@ -93,29 +93,119 @@ def _sync(gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
+class QueueProbe:
+    """GPU time of steps with their kernels queued back to back: each step is enqueued behind a
+    sleep kernel long enough to cover its CPU time (twice over, plus 2 ms, at most 500 ms) and
+    timed from the sleep's end. begin() and end() go around a step, on the current stream."""
+
+    def __init__(self, host_ms: float):
+        self.cover_ms = min(500.0, 2.0 * host_ms + 2.0)
+        self._cycles_per_ms: float | None = None
+        self._start = None
+        self._pairs: list = []
+
+    @staticmethod
+    def _calibrate() -> float:
+        # The sleep kernel counts clock cycles; one synchronized run converts them to ms.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        return 1_000_000 / max(start.elapsed_time(end), 1e-3)
+
+    def begin(self) -> None:
+        if self._cycles_per_ms is None:
+            self._cycles_per_ms = self._calibrate()
+        torch.cuda._sleep(int(self._cycles_per_ms * self.cover_ms))
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pairs.append((self._start, end))
+        self._start = None
+
+    @property
+    def steps(self) -> int:
+        """Steps timed (begin() then end())."""
+        return len(self._pairs)
+
+    def median_ms(self) -> float | None:
+        """The median over the timed steps (synchronizes), None if no step was timed."""
+        if not self._pairs:
+            return None
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in self._pairs)
+
+
 def _probe_gpu(step: Callable[[], None], fetch: Callable[[], Any], host_ms: float,
                n: int) -> float:
-    """GPU time of one step with its kernels queued back to back: the step is enqueued behind a
-    sleep kernel long enough to cover its CPU time, and timed from the sleep's end."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    cycles_per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
-    cover_ms = min(500.0, 2.0 * host_ms + 2.0)
-    times = []
+    probe = QueueProbe(host_ms)
     for _ in range(n):
         batch = fetch()
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(cycles_per_ms * cover_ms))
-        start.record()
+        probe.begin()
         step(batch)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        probe.end()
+    return probe.median_ms()
+
+
+def profiler(gpu: bool):
+    """A torch.profiler.profile of the CPU ops, and of the GPU kernels when `gpu`."""
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+
+
+def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, gpu: bool,
+           gpu_span_ms: float | None = None, gpu_pure_ms: float | None = None,
+           probe_steps: int = 0, notes: Iterable[str] = ()) -> Diagnosis:
+    """The findings, ranked by what they cost per step, and the verdict, from the measurements:
+    the monitor's summary, the finished audit, the real step time, the GPU span per step the
+    monitor read and the queue-full GPU time the probe read (None: not probed). `notes` come
+    first in the report's notes."""
+    d = Diagnosis(summary, audit, warmup, step_ms, gpu, notes=list(notes))
+    cupti = audit.backend == "cupti"
+    d.sync_ms = audit.blocked_ms_per_step() if cupti else 0.0
+    if cupti:
+        d.kernels = audit.kernels / audit.step_count
+    if gpu:
+        span = gpu_span_ms or 0.0
+        d.gpu_busy_ms = span
+        if gpu_pure_ms is not None:
+            d.probe_steps = probe_steps
+            d.gpu_pure_ms = gpu_pure_ms
+            d.gpu_busy_ms = min(span, gpu_pure_ms) if span else gpu_pure_ms
+
+    idle = max(0.0, 1.0 - d.gpu_busy_ms / step_ms) if gpu and step_ms > 0 else None
+    findings = []
+    f = starvation_finding(summary.data_ms, step_ms, idle, summary.loader)
+    if f:
+        findings.append(f)
+    findings += sync_findings(audit, step_ms)
+    if gpu and d.gpu_pure_ms is not None:
+        enqueue_ms = max(0.0, summary.cpu_ms - d.sync_ms)
+        f = launch_finding(enqueue_ms, d.gpu_pure_ms, d.kernels, step_ms, audit.optimizers)
+        if f:
+            findings.append(f)
+    d.findings = sorted(findings, key=lambda f: -f.cost_ms)
+
+    if not gpu:
+        d.verdict = ("the loop runs on the CPU; data wait is the only stall measured "
+                     f"({summary.data_ms:.2f} ms of {step_ms:.2f} ms)")
+    elif idle is not None and idle < 0.1:
+        d.verdict = (f"the GPU is busy {1 - idle:.0%} of the step (GPU-bound): speedups now "
+                     "come from the model itself (bf16 autocast, torch.compile, fused kernels)")
+    else:
+        d.verdict = "no stall costs a significant share of the step"
+    if cupti and audit.sites and d.gpu_pure_ms is not None:
+        d.notes.append("the step syncs, so the queue-full GPU time includes waits; fix the "
+                       "syncs first, then run the doctor again for the launch-bound verdict")
+    return d
 
 
 def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable | None = None,
@@ -135,7 +225,7 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     # 1. monitor
-    mon = StepMonitor(loader=loader)
+    mon = StepMonitor(loader=loader, gpu_every=1)
     hook = timed_dataloaders(mon) if loader is None else contextlib.nullcontext()
     with hook:
         _sync(gpu)
@@ -164,52 +254,19 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
             call(fetch())
     _sync(gpu)
 
-    d = Diagnosis(summary, a, warmup, step_ms, gpu)
-    d.sync_ms = a.blocked_ms_per_step() if a.backend == "cupti" else 0.0
-    if a.backend == "cupti":
-        d.kernels = a.kernels / n_audit
-    if gpu:
-        span = sum(mon.gpu_ms.values()) / steps if mon.gpu_ms else 0.0
-        d.gpu_busy_ms = span
-        if probe:
-            d.probe_steps = 3
-            d.gpu_pure_ms = _probe_gpu(call, fetch, step_ms, d.probe_steps)
-            d.gpu_busy_ms = min(span, d.gpu_pure_ms) if span else d.gpu_pure_ms
-
-    # findings, ranked by what they cost per step
-    idle = max(0.0, 1.0 - d.gpu_busy_ms / step_ms) if gpu and step_ms > 0 else None
-    findings = []
-    f = starvation_finding(summary.data_ms, step_ms, idle, summary.loader)
-    if f:
-        findings.append(f)
-    findings += sync_findings(a, step_ms)
-    if gpu and d.gpu_pure_ms is not None:
-        enqueue_ms = max(0.0, summary.cpu_ms - d.sync_ms)
-        f = launch_finding(enqueue_ms, d.gpu_pure_ms, d.kernels, step_ms, a.optimizers)
-        if f:
-            findings.append(f)
-    d.findings = sorted(findings, key=lambda f: -f.cost_ms)
-
-    if not gpu:
-        d.verdict = ("the loop runs on the CPU; data wait is the only stall measured "
-                     f"({summary.data_ms:.2f} ms of {step_ms:.2f} ms)")
-    elif idle is not None and idle < 0.1:
-        d.verdict = (f"the GPU is busy {1 - idle:.0%} of the step (GPU-bound): speedups now "
-                     "come from the model itself (bf16 autocast, torch.compile, fused kernels)")
-    else:
-        d.verdict = "no stall costs a significant share of the step"
+    # 3. probe
+    n_probe = 3
+    span = sum(mon.gpu_ms.values()) / steps if gpu and mon.gpu_ms else 0.0
+    pure = _probe_gpu(call, fetch, step_ms, n_probe) if gpu and probe else None
+    notes = []
     if loader is None and not summary.loader and summary.data_ms == 0:
-        d.notes.append("data wait not measured: train_step fetches no DataLoader batch; pass "
-                       "loader= (train_step(batch) is then called per batch)")
-    if a.backend == "cupti" and a.sites and d.gpu_pure_ms is not None:
-        d.notes.append("the step syncs, so the queue-full GPU time includes waits; fix the "
-                       "syncs first, then run the doctor again for the launch-bound verdict")
+        notes.append("data wait not measured: train_step fetches no DataLoader batch; pass "
+                     "loader= (train_step(batch) is then called per batch)")
+    d = assess(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes)
 
     # 4. trace, last: torch.profiler takes CUPTI over
     if trace:
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        with profile(activities=acts) as prof:
+        with profiler(gpu) as prof:
             for _ in range(3):
                 call(fetch())
             _sync(gpu)

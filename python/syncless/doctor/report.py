@@ -164,9 +164,12 @@ def render_audit(audit: Any) -> str:
 def render_doctor(d: Any) -> str:
     """The doctor's one report: the time budget, the findings ranked by cost, the changes."""
     m = d.summary
-    lines = [f"syncless doctor: {m.steps} measured steps (+{d.warmup} warm-up, "
-             f"{d.audit.step_count} audited{', %d probed' % d.probe_steps if d.probe_steps else ''})",
-             ""]
+    ran = [f"+{d.warmup} warm-up"]
+    if d.audit.elapsed_s:                  # 0 when the audit did not run (a script that ended)
+        ran.append(f"{d.audit.step_count} audited")
+    if d.probe_steps:
+        ran.append(f"{d.probe_steps} probed")
+    lines = [f"syncless doctor: {m.steps} measured steps ({', '.join(ran)})", ""]
     step = d.step_ms
     lines.append(f"where a step's {step:.2f} ms go" + (" (host wall, GPU drained at both ends)"
                                                        if d.gpu else " (CPU only)"))
