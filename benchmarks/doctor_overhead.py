@@ -6,10 +6,10 @@ a sample of steps sized to the step time); watch(gpu_every=1) (every step GPU-ti
 records and a poll per step); watch() feeding a Logger a row per step. Each round times `--steps`
 steps of every variant between two synchronize() calls (drain() of the GPU times is inside the
 timing); the order of the variants is shuffled every round. Reported: median ms/step per variant,
-the ratio to the bare loop, the added µs per step, and how many steps were GPU-timed. The target
-is <= 1% of the step.
+the median of the per-round ratio to the bare loop with its 95% confidence interval, the added µs
+per step, and how many steps were GPU-timed. The target is <= 1% of the step.
 
-    python benchmarks/doctor_overhead.py [--device cuda] [--rounds 15] [--steps 200] [--json out]
+    python benchmarks/doctor_overhead.py [--device cuda] [--rounds 30] [--steps 100] [--json out]
 """
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ from torch import nn
 
 from syncless import Logger, sinks
 from syncless.doctor import watch
+
+try:
+    from benchmarks._common import median_ci, paired_ratios
+except ImportError:                                   # run as a script: benchmarks/ is on path
+    from _common import median_ci, paired_ratios
 
 
 def make_step(kind: str, device: str):
@@ -81,8 +86,8 @@ def run(variant: str, step, steps: int, device: str, timed: dict) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     random.seed(0)
@@ -101,21 +106,25 @@ def main(argv=None) -> int:
             for v in order:
                 times[v].append(run(v, step, args.steps, args.device, timed))
         med = {v: statistics.median(t) for v, t in times.items()}
-        results[kind] = {
-            v: {"ms_per_step": med[v], "ratio": med[v] / med["bare"],
-                "added_us_per_step": (med[v] - med["bare"]) * 1e3,
+        results[kind] = {}
+        for v in variants:
+            ratios = paired_ratios(times, v, "bare")
+            ratio = statistics.median(ratios)
+            results[kind][v] = {
+                "ms_per_step": med[v], "ratio": ratio, "ratio_ci95": median_ci(ratios),
+                "added_us_per_step": (ratio - 1) * med["bare"] * 1e3,
                 "spread_ms": [min(times[v]), max(times[v])],
                 "gpu_timed_steps": statistics.median(timed[v]) if v in timed else None}
-            for v in variants}
     print(f"syncless.watch() overhead on {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f": {args.rounds} interleaved rounds x {args.steps} steps, medians")
-    print(f"{'step':14}{'variant':18}{'ms/step':>10}{'ratio':>9}{'added µs':>10}"
+    print(f"{'step':14}{'variant':18}{'ms/step':>10}{'ratio':>9}{'95% CI':>18}{'added µs':>10}"
           f"{'GPU-timed':>11}")
     for kind, r in results.items():
         for v, row in r.items():
-            n = row["gpu_timed_steps"]
-            print(f"{kind:14}{v:18}{row['ms_per_step']:>10.4f}{row['ratio']:>9.4f}"
+            n, ci = row["gpu_timed_steps"], row["ratio_ci95"]
+            ci_s = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "n/a"
+            print(f"{kind:14}{v:18}{row['ms_per_step']:>10.4f}{row['ratio']:>9.4f}{ci_s:>18}"
                   f"{row['added_us_per_step']:>10.2f}"
                   + (f"{n:>7.0f}/{args.steps}" if n is not None else f"{'-':>11}"))
     if args.json:

@@ -541,7 +541,7 @@ def test_clean_loop_gets_no_finding():
 @pytest.mark.cuda
 def test_watch_reads_gpu_time_without_waiting():
     a = torch.randn(2048, 2048, device="cuda")
-    w = watch(range(10))
+    w = watch(range(10), gpu_every=1)                # every step, not a sample
     for _ in w:
         a = torch.tanh(a @ a) / 2048
     w.monitor.drain()

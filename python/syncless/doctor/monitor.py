@@ -130,7 +130,10 @@ class StepMonitor:
         self._cycle_wall = 0.0                # step wall time this cycle
         self._cycle_steps = 0
         self._created = False                 # this cycle created a pair (a one-off cost)
-        self._cost_s = None                   # running mean of the event time per cycle
+        # Event time of the recent cycles; their minimum is the cost estimate, because a record
+        # made while the launch queue is full blocks until the GPU frees a slot, and that wait
+        # is the GPU's pace (the next kernel launch would pay it), not the monitor's cost.
+        self._costs: collections.deque = collections.deque(maxlen=16)
 
     # ---- marks --------------------------------------------------------------------------------
 
@@ -171,13 +174,11 @@ class StepMonitor:
     def _start_timing(self) -> None:
         t = perf_counter()
         if self.gpu_every is None and self._cycle_steps and not self._created:
-            cost = self._event_s
-            self._cost_s = cost if self._cost_s is None else self._cost_s + 0.2 * (cost -
-                                                                                  self._cost_s)
+            self._costs.append(self._event_s)
             wall = self._cycle_wall / self._cycle_steps
             # Shrink at once, grow by doubling: the first steps of a loop run ahead of the GPU
             # and look shorter than they will be once the launch queue is full.
-            self._every = min(sampling_interval(self._cost_s, wall), 2 * self._every)
+            self._every = min(sampling_interval(min(self._costs), wall), 2 * self._every)
         self._event_s = self._cycle_wall = 0.0
         self._cycle_steps = 0
         self._created = False
