@@ -12,6 +12,7 @@ __all__ = ["Finding", "starvation_finding", "launch_finding", "sync_findings", "
 STARVED_SHARE = 0.10       # data wait >= 10% of the step ...
 STARVED_IDLE = 0.10        # ... while the GPU idles >= 10% of it
 LAUNCH_MIN_KERNELS = 8
+LAUNCH_MIN_IDLE = 0.10     # launch-bound only if the step's GPU work leaves >= 10% of it idle
 SYNC_MIN_SHARE = 0.005     # a sync site costing < 0.5% of the step (and < 1 per step) is noise
 
 
@@ -75,6 +76,8 @@ def launch_finding(cpu_ms: float, gpu_ms: float | None, kernels: float | None, s
                    optimizers: list = ()) -> Finding | None:
     if gpu_ms is None or gpu_ms <= 0 or cpu_ms < gpu_ms:
         return None
+    if step_ms > 0 and gpu_ms > (1 - LAUNCH_MIN_IDLE) * step_ms:
+        return None            # the GPU is busy: a host blocked by a full launch queue is not slow
     if kernels is not None and kernels < LAUNCH_MIN_KERNELS:
         return None
     per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
