@@ -1,12 +1,14 @@
 """Always-on cost of syncless.watch(): the same training loop bare and watched, interleaved.
 
-Two steps: a GPU-bound MLP step (a few ms) and a launch-bound batch-1 step (under 2 ms, the
-worst case for a per-step monitor). Variants: the bare loop; watch() as shipped (the GPU timed on
-a sample of steps sized to the step time); watch(gpu_every=1) (every step GPU-timed: two event
-records and a poll per step); watch() feeding a Logger a row per step. Each round times `--steps`
-steps of every variant between two synchronize() calls (drain() of the GPU times is inside the
-timing); the order of the variants is shuffled every round. Reported: median ms/step per variant,
-the median of the per-round ratio to the bare loop with its 95% confidence interval, the added µs
+Three steps: a GPU-bound MLP step (a few ms), a launch-bound batch-1 step (about 2 ms, the worst
+realistic case for a per-step monitor), and a "step" of one tiny kernel (20x the steps per
+block), where the monitor's own host cost per step shows with little noise: the µs it adds there
+is what any CPU-bound step pays. Variants: the bare loop; watch() as shipped (the GPU timed on a
+sample of steps sized to the step time); watch(gpu_every=1) (every step GPU-timed: two event
+records and a poll per step); watch() feeding a Logger a row per step. Each round times the steps
+of every variant between two synchronize() calls (drain() of the GPU times is inside the timing);
+the order of the variants is shuffled every round. Reported: median ms/step per variant, the
+median of the per-round ratio to the bare loop with its 95% confidence interval, the added µs
 per step, and how many steps were GPU-timed. The target is <= 1% of the step.
 
     python benchmarks/doctor_overhead.py [--device cuda] [--rounds 30] [--steps 100] [--json out]
@@ -33,6 +35,9 @@ except ImportError:                                   # run as a script: benchma
 
 
 def make_step(kind: str, device: str):
+    if kind == "tiny":                                # one small kernel: isolates the host cost
+        t = torch.zeros(256, device=device)
+        return lambda _: t.add_(1.0)
     if kind == "gpu-bound":
         width, batch, depth = (4096, 512, 4) if device == "cuda" else (512, 64, 2)
     else:                                             # launch-bound: batch 1, many small kernels
@@ -88,23 +93,27 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--kinds", default="gpu-bound,launch-bound,tiny",
+                   help="steps to measure, from gpu-bound, launch-bound, tiny (one small "
+                        "kernel: the monitor's own host cost per step, with little noise)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     random.seed(0)
     torch.manual_seed(0)
     variants = ["bare", "watch", "watch every step", "watch+log"]
     results = {}
-    for kind in ("gpu-bound", "launch-bound"):
+    for kind in args.kinds.split(","):
         step = make_step(kind, args.device)
         for v in variants:                            # warm-up: kernels, allocator, event pool
             run(v, step, 20, args.device, {})
         times = {v: [] for v in variants}
         timed: dict = {}
+        steps = args.steps * (20 if kind == "tiny" else 1)
         for _ in range(args.rounds):
             order = variants[:]
             random.shuffle(order)
             for v in order:
-                times[v].append(run(v, step, args.steps, args.device, timed))
+                times[v].append(run(v, step, steps, args.device, timed))
         med = {v: statistics.median(t) for v, t in times.items()}
         results[kind] = {}
         for v in variants:
@@ -114,6 +123,7 @@ def main(argv=None) -> int:
                 "ms_per_step": med[v], "ratio": ratio, "ratio_ci95": median_ci(ratios),
                 "added_us_per_step": (ratio - 1) * med["bare"] * 1e3,
                 "spread_ms": [min(times[v]), max(times[v])],
+                "steps_per_block": steps,
                 "gpu_timed_steps": statistics.median(timed[v]) if v in timed else None}
     print(f"syncless.watch() overhead on {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
@@ -126,7 +136,7 @@ def main(argv=None) -> int:
             ci_s = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "n/a"
             print(f"{kind:14}{v:18}{row['ms_per_step']:>10.4f}{row['ratio']:>9.4f}{ci_s:>18}"
                   f"{row['added_us_per_step']:>10.2f}"
-                  + (f"{n:>7.0f}/{args.steps}" if n is not None else f"{'-':>11}"))
+                  + (f"{n:>7.0f}/{row['steps_per_block']}" if n is not None else f"{'-':>11}"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "torch": torch.__version__, "rounds": args.rounds,
