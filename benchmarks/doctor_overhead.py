@@ -5,7 +5,8 @@ realistic case for a per-step monitor), and a "step" of one tiny kernel (20x the
 block), where the monitor's own host cost per step shows with little noise: the µs it adds there
 is what any CPU-bound step pays. Variants: the bare loop; watch() as shipped (the GPU timed on a
 sample of steps sized to the step time); watch(gpu_every=1) (every step GPU-timed: two event
-records and a poll per step); watch() feeding a Logger a row per step. Each round times the steps
+records and a poll per step); watch(gpu=False) (no events: the Python cost alone); watch()
+feeding a Logger a row per step. Each round times the steps
 of every variant between two synchronize() calls (drain() of the GPU times is inside the timing);
 the order of the variants is shuffled every round. Reported: median ms/step per variant, the
 median of the per-round ratio to the bare loop with its 95% confidence interval, the added µs
@@ -16,6 +17,7 @@ per step, and how many steps were GPU-timed. The target is <= 1% of the step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -64,14 +66,16 @@ def sync(device: str) -> None:
 
 def run(variant: str, step, steps: int, device: str, timed: dict) -> float:
     batches = range(steps)
+    gc.collect()                                      # no block pays for an earlier one's garbage
     sync(device)
     t0 = time.perf_counter()
     w = None
     if variant == "bare":
         for b in batches:
             step(b)
-    elif variant in ("watch", "watch every step"):
-        w = watch(batches, gpu_every=1 if variant == "watch every step" else None)
+    elif variant in ("watch", "watch every step", "watch, no GPU"):
+        w = watch(batches, gpu_every=1 if variant == "watch every step" else None,
+                  gpu=False if variant == "watch, no GPU" else None)
         for b in w:
             step(b)
         w.monitor.drain()
@@ -100,7 +104,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     random.seed(0)
     torch.manual_seed(0)
-    variants = ["bare", "watch", "watch every step", "watch+log"]
+    variants = ["bare", "watch", "watch, no GPU", "watch every step", "watch+log"]
     results = {}
     for kind in args.kinds.split(","):
         step = make_step(kind, args.device)
@@ -123,6 +127,7 @@ def main(argv=None) -> int:
                 "ms_per_step": med[v], "ratio": ratio, "ratio_ci95": median_ci(ratios),
                 "added_us_per_step": (ratio - 1) * med["bare"] * 1e3,
                 "spread_ms": [min(times[v]), max(times[v])],
+                "quartiles_ms": statistics.quantiles(times[v], n=4),
                 "steps_per_block": steps,
                 "gpu_timed_steps": statistics.median(timed[v]) if v in timed else None}
     print(f"syncless.watch() overhead on {args.device}"
