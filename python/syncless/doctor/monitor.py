@@ -5,10 +5,11 @@
 
 Per step: the time blocked waiting for data (perf_counter around next()), the CPU time of the
 step body (enqueue time), and the GPU time of the body's stream work (a pooled CUDA event pair,
-read only once its end event completed: never a wait in the loop). Recording two events costs
-~7 µs of driver time on an H200 host, 0.4% of a 1.8 ms step, so by default the GPU is timed on a
-sample of the steps chosen to keep that cost under 0.25% of the step (every step once steps take
-a few ms; `gpu_every=1` times them all). StepMonitor is the same thing for loops that don't iterate
+read only once its end event completed: never a wait in the loop). Recording two events and
+polling them costs ~8 µs of host time a step on an H200 host (benchmarks/doctor_overhead.py),
+0.5% of a 1.7 ms step, so by default the GPU is timed on a sample of the steps chosen to keep
+the measured cost under 0.25% of the step (every step once steps take ~10 ms; `gpu_every=1`
+times them all). The rest of the monitor costs ~1 µs a step. StepMonitor is the same thing for loops that don't iterate
 a loader:
 
     mon = StepMonitor(log=log)
