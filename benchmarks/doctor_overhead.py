@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                 "ms_per_step": med[v], "ratio": ratio, "ratio_ci95": median_ci(ratios),
                 "added_us_per_step": (ratio - 1) * med["bare"] * 1e3,
                 "spread_ms": [min(times[v]), max(times[v])],
-                "quartiles_ms": statistics.quantiles(times[v], n=4),
+                "quartiles_ms": (statistics.quantiles(times[v], n=4)
+                                 if len(times[v]) > 1 else times[v]),
                 "steps_per_block": steps,
                 "gpu_timed_steps": statistics.median(timed[v]) if v in timed else None}
     print(f"syncless.watch() overhead on {args.device}"

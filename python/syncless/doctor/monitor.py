@@ -9,8 +9,9 @@ read only once its end event completed: never a wait in the loop). Recording two
 polling them costs ~8 µs of host time a step on an H200 host (benchmarks/doctor_overhead.py),
 0.5% of a 1.7 ms step, so by default the GPU is timed on a sample of the steps chosen to keep
 the measured cost under 0.25% of the step (every step once steps take ~10 ms; `gpu_every=1`
-times them all). The rest of the monitor costs ~1 µs a step. StepMonitor is the same thing for loops that don't iterate
-a loader:
+times them all). The rest of the monitor costs ~1 µs a step.
+
+StepMonitor is the same thing for loops that don't iterate a loader:
 
     mon = StepMonitor(log=log)
     for ...:
