@@ -7,32 +7,32 @@ The data path, top to bottom:
          or a host row          CPU tensors and numbers read at once (no GPU involved)
     every `every` calls:
       -> _C.Ring.copy_to(win)   one async D2H copy of the ring into pinned memory + one event
-      -> delivery thread        waits on the event (sleeping, GIL released), decodes the rows
-                                and hands them to the sinks in step order
+      -> _delivery.Delivery     on its own thread: waits on the event (sleeping, GIL released),
+                                decodes the rows and hands them to the sinks in step order
 
-The training thread only waits when every pinned window is still undelivered (the sinks fell
-behind): then it waits for one rather than drop data, and counts the wait in `stats.waits`.
+This module is the training thread's side (schema, steps, ring, windows); `_delivery` is the
+other thread's. The training thread only waits when every pinned window is still undelivered
+(the sinks fell behind): then it waits for one rather than drop data (`stats.waits`).
 """
 from __future__ import annotations
 
 import atexit
 import logging
-import math
-import queue
+import os
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
 from . import _C
+from ._delivery import RESERVED, Delivery, Pool, Row
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
 _log = logging.getLogger("syncless")
 
-_CAPTURED = 1 << 63
 _MAX_PER_CALL = 248          # cells in the largest gather kernel's parameter block
 _COLUMN_BLOCK = 64           # the ring grows its columns in blocks of 64 (one mask word)
 
@@ -57,16 +57,9 @@ def _bind_torch() -> None:
 _bind_torch()
 
 
-class Row(NamedTuple):
-    """One logged step as sinks receive it: plain Python floats, never tensors."""
-    step: int
-    time: float                      # host wall time (time.time()) of the log() call
-    values: dict                     # {metric name: float}; absent metrics are absent
-
-
 class LoggerStats(NamedTuple):
     steps: int                       # log() calls accepted
-    delivered: int                   # rows handed to the sinks
+    delivered: int                   # rows of those calls handed to the sinks
     windows: int                     # device-to-host copies (CUDA) or host windows handed over
     waits: int                       # times log() waited because every window was undelivered
     nonfinite: dict                  # {metric: count of NaN/Inf values delivered}
@@ -83,8 +76,10 @@ class _Generation:
         self.ring = _C.Ring(device, self.memory.data_ptr(), capacity, columns)
         self.ring.clear()                                    # async memset, ordered first
         self.nbytes = nbytes
+        self.capacity = capacity
         self.next_seq = 0                                    # owned by the delivery thread
         self.captured = False
+        self.current = True                                  # False once a wider ring replaced it
 
 
 class _Window:
@@ -97,6 +92,23 @@ class _Window:
         self.nbytes = nbytes
 
 
+def _check_sinks(sinks: Any) -> list:
+    if hasattr(sinks, "write"):
+        return [sinks]
+    if isinstance(sinks, (str, bytes, os.PathLike)):
+        raise TypeError(f"sinks takes sink objects, got the path {sinks!r}; for a file write "
+                        f"sinks=[syncless.sinks.JSONL({os.fsdecode(sinks)!r})] (or sinks.CSV)")
+    try:
+        sinks = list(sinks)
+    except TypeError:
+        raise TypeError(f"sinks must be a sink (an object with write(rows)) or a list of them, "
+                        f"got {type(sinks).__name__}") from None
+    for s in sinks:
+        if not callable(getattr(s, "write", None)):
+            raise TypeError(f"sink {s!r} has no write(rows) method")
+    return sinks
+
+
 class Logger:
     """Collect per-step metrics with zero host-device syncs and deliver them to sinks.
 
@@ -106,20 +118,25 @@ class Logger:
 
     Values are 0-dim or one-element tensors (CUDA or CPU, any real dtype, requires_grad fine)
     or Python numbers. The value recorded is the tensor's value at the call, in stream order.
+    One Logger may be called from several threads: calls are serialised, and rows keep the
+    order in which the calls took their steps. `gpu_time=True` adds `gpu/step_ms` (GPU time
+    between consecutive rows) and `gpu/lag_ms` (how far the GPU trails the CPU) to every row.
     """
 
     def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
                  device: str | int | torch.device | None = None, capacity: int | None = None,
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
-                 sinks_on: str = "rank0"):
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        if windows < 1:
-            raise ValueError(f"windows must be >= 1, got {windows!r}")
-        if capacity is not None and capacity < every:
-            raise ValueError(f"capacity ({capacity}) must hold at least one window ({every} rows)")
-        if hasattr(sinks, "write"):
-            sinks = [sinks]
+                 sinks_on: str = "rank0", gpu_time: bool = False):
+        for name, v in (("every", every), ("windows", windows)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if capacity is not None:
+            if isinstance(capacity, bool) or not isinstance(capacity, int):
+                raise ValueError(f"capacity must be an int, got {capacity!r}")
+            if capacity < every:
+                raise ValueError(f"capacity ({capacity}) must hold at least one window "
+                                 f"({every} rows)")
+        sinks = _check_sinks(sinks)
         if sinks_on not in ("rank0", "all"):
             raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
         self._reducer = None
@@ -130,9 +147,7 @@ class Logger:
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
         self.every = every
-        self.sinks = list(sinks)
         self.capacity = capacity or max(2 * every, 64)
-        self._nwindows = windows
         self._columns: dict[str, int] = {}
         self._names: list[str] = []
         self._next_step = 0
@@ -141,25 +156,16 @@ class Logger:
         self._since_flush = 0
         self._flush_due = False
         self._closed = False
+        self._forked = False
         self._host_rows: list[Row] = []
         self._device = -1
         self._gen: _Generation | None = None
         self._ring = None                     # self._gen.ring, kept at hand for the hot path
-        self._free: list[_Window] = []
-        self._outstanding = 0                 # windows handed to the delivery thread
-        self._cond = threading.Condition()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        # Statistics; the delivery thread owns the delivery-side counters.
         self._windows = 0
-        self._waits = 0
-        self._delivered = 0
-        self._lost = 0
-        self._nonfinite: dict[str, int] = {}
-        self._sink_errors = 0
-        self._failed_sinks: set[int] = set()
-        self.latest: dict[str, float] = {}
-        self.latest_step = -1
+        self._lock = threading.Lock()
+        self._pool = Pool(windows)
+        self._delivery = Delivery(sinks, self._names, self._pool, bool(gpu_time))
+        self._pid = os.getpid()
         _live.add(self)
         if device is not None:
             dev = torch.device(device)
@@ -170,40 +176,74 @@ class Logger:
 
     # ---- the hot path ------------------------------------------------------------------------
 
-    def __call__(self, step: int | None = None, /, **metrics: Any) -> None:
+    def __call__(self, *args: int, **metrics: Any) -> None:
         """log(loss=..., acc=...) logs at the next step; log(step, loss=...) or
         log(loss=..., step=7) at a given one."""
-        if "step" in metrics:
+        step = None
+        if args:
+            if len(args) > 1:
+                raise TypeError(f"log() takes at most one positional argument (the step), got "
+                                f"{len(args)}")
+            step = args[0]
+            if "step" in metrics:
+                raise TypeError(f"log() got the step twice: {step!r} and step={metrics['step']!r}")
+        elif "step" in metrics:
             step = metrics.pop("step")
         self.log(metrics, step)
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log one row: {name: value} at `step` (default: the step after the last one)."""
         if self._closed:
-            raise ValueError("this Logger is closed; create a new one to log again")
+            self._refuse_closed()
         if type(metrics) is not dict:
             metrics = dict(metrics)
-        step = self._next_step if step is None else self._take_step(step)
-        ring = self._ring
-        if ring is not None:
+        if self._delivery.on_thread():
+            self._delivery.refuse_on_thread("log()")
+        with self._lock:
+            step = self._next_step if step is None else self._take_step(step)
+            ring = self._ring
+            if ring is None:
+                self._log_host(metrics, step)
+                return
             try:
                 captured = ring.gather(metrics, self._columns, self._calls, step, time.time())
             except KeyError:
                 self._add_columns(metrics)
                 captured = self._ring.gather(metrics, self._columns, self._calls, step,
                                              time.time())
-        else:
-            self._log_host(metrics, step)
-            return
-        self._calls += 1
-        self._next_step = step + 1
-        self._last_step = step
-        if captured:
-            self._gen.captured = True
-            return                                   # nothing else may happen under capture
-        self._since_flush += 1
-        if self._since_flush >= self.every or self._flush_due:
-            self._flush_window()
+            self._calls += 1
+            self._next_step = step + 1
+            self._last_step = step
+            if captured:
+                self._gen.captured = True
+                return                               # nothing else may happen under capture
+            self._since_flush += 1
+            if self._since_flush >= self.every or self._flush_due:
+                self._flush_window()
+
+    def attach(self, name: str, resolve: Callable[[], float], step: int | None = None) -> None:
+        """Add a value that becomes known later to the row of `step` (default: the last logged
+        step). `resolve()` runs on the delivery thread when that row is delivered, may wait
+        there (never in the training loop) and returns a float. Values attached under one name
+        for one step add up. If the step's row already went to the sinks, the value comes as a
+        row of its own at that step (`row.late` is True)."""
+        if self._closed:
+            self._refuse_closed()
+        if not isinstance(name, str):
+            raise TypeError(f"metric names must be str, got {name!r}")
+        if name in RESERVED:
+            raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
+                             "time; pick another name")
+        if not callable(resolve):
+            raise TypeError(f"attach({name!r}, ...) needs a callable that returns the value")
+        step = self._last_step if step is None else self._check_step(step)
+        self._delivery.attach(max(step, 0), name, resolve)
+
+    def _refuse_closed(self) -> None:
+        if self._forked:
+            raise RuntimeError("this Logger belongs to the process that forked this one; create "
+                               "a new Logger in the child to log from it")
+        raise ValueError("this Logger is closed; create a new one to log again")
 
     def _log_host(self, metrics: dict, step: int) -> None:
         """Before any CUDA metric: values are read now and kept as host rows."""
@@ -213,7 +253,15 @@ class Logger:
         device, values = _C.values(metrics)
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
-            self.log(metrics, step)
+            self._add_columns(metrics)
+            captured = self._ring.gather(metrics, self._columns, self._calls, step, time.time())
+            self._calls += 1
+            self._next_step = step + 1
+            self._last_step = step
+            if not captured:
+                self._since_flush += 1
+                if self._since_flush >= self.every:
+                    self._flush_window()
             return
         self._add_columns(metrics)
         self._host_rows.append(Row(step, time.time(), values))
@@ -222,18 +270,26 @@ class Logger:
         self._last_step = step
         self._since_flush += 1
         if self._since_flush >= self.every:
-            self._flush_window()
+            self._hand_over_host_rows()
 
-    def _take_step(self, step: Any) -> int:
-        if step is None:
-            return self._next_step
-        if isinstance(step, bool) or not isinstance(step, int):
+    @staticmethod
+    def _check_step(step: Any) -> int:
+        if isinstance(step, bool):
+            raise TypeError(f"step must be an int, got the bool {step!r}")
+        if not isinstance(step, int):
+            if isinstance(step, torch.Tensor):
+                raise TypeError("step must be a Python int, got a tensor: reading it would sync "
+                                "the GPU; pass the loop's own int counter (or omit step)")
             try:
-                step = int(step.__index__())         # numpy ints; tensors raise (no sync)
+                step = int(step.__index__())         # numpy ints
             except (AttributeError, TypeError):
                 raise TypeError(f"step must be an int, got {type(step).__name__}") from None
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        return step
+
+    def _take_step(self, step: Any) -> int:
+        step = self._check_step(step)
         if step < self._last_step:
             raise ValueError(f"step {step} is before the last logged step {self._last_step}; "
                              "steps must not go backwards")
@@ -243,6 +299,10 @@ class Logger:
         for name in metrics:
             if not isinstance(name, str):
                 raise TypeError(f"metric names must be str, got {name!r}")
+            if name in RESERVED:
+                raise ValueError(f"metric name {name!r} is reserved: every row has its own step "
+                                 "and time (the JSONL and CSV sinks write them as fields); "
+                                 f"rename the metric, e.g. 'train/{name}'")
         new = [n for n in metrics if n not in self._columns]
         if self._gen is not None and len(self._names) + len(new) > self._gen.ring.columns:
             self._grow(len(self._names) + len(new))
@@ -277,135 +337,59 @@ class Logger:
             if self._since_flush:
                 self._flush_window()
             columns = -(-needed // _COLUMN_BLOCK) * _COLUMN_BLOCK * 2
+            gen.current = False                      # its windows are too small: let them go
             self._gen = _Generation(self._device, self.capacity, columns)
             self._ring = self._gen.ring
-            self._free = []                          # old windows are too small; let them go
-
-    def _take_window(self) -> _Window:
-        with self._cond:
-            while not self._free and self._outstanding >= self._nwindows:
-                self._waits += 1                     # backpressure: wait, never drop
-                self._cond.wait()
-            self._outstanding += 1
-            if self._free:
-                return self._free.pop()
-        return _Window(self._device, self._gen.nbytes)
+            with self._pool.cond:
+                self._pool.free = []
 
     def _flush_window(self) -> None:
-        """Hand the rows since the last flush to the delivery thread. Never waits on the GPU."""
+        """Hand the rows since the last flush to the delivery thread. Never waits on the GPU,
+        only for a free window (backpressure)."""
         self._flush_due = False
         if self._gen is None:
             self._hand_over_host_rows()
             return
         if self._since_flush == 0 and not self._gen.captured:
             return
-        ring = self._gen.ring
+        gen = self._gen
+        ring = gen.ring
         with torch.cuda.device(self._device):
             if ring.capturing():
                 self._flush_due = True               # no copies inside a capture: next call
                 return
-            if self._reducer is not None:        # enqueued before the copy, same stream
-                self._reducer.reduce_ring(self._gen.memory, ring.capacity, ring.columns,
-                                          self._names)
-            w = self._take_window()
-            ring.copy_to(w.win)
-        self._since_flush = 0
-        self._windows += 1
-        self._submit(("window", self._gen, w, time.time()))
+            # An interrupt while waiting for a window leaves every row in the ring for the
+            # next flush; one after the window was taken gives the window back.
+            w = self._pool.take()
+            try:
+                if w is None:
+                    w = _Window(self._device, gen.nbytes)
+                if self._reducer is not None:    # enqueued before the copy, same stream
+                    self._reducer.reduce_ring(gen.memory, ring.capacity, ring.columns,
+                                              self._names)
+                ring.copy_to(w.win)
+                self._since_flush = 0
+                self._windows += 1
+                self._delivery.submit_window(gen, w, time.time())
+            except BaseException:
+                self._pool.give(w, keep=False)
+                raise
 
     def _hand_over_host_rows(self) -> None:
         if not self._host_rows:
             return
-        rows, self._host_rows = self._host_rows, []
-        self._since_flush = 0
+        rows = self._host_rows
         if self._reducer is not None:
             rows = self._reducer.reduce_rows(rows, self._names)
-        with self._cond:
-            while self._outstanding >= self._nwindows:
-                self._waits += 1
-                self._cond.wait()
-            self._outstanding += 1
+        self._pool.take()                    # may wait; an interrupt here loses nothing
+        try:
+            self._delivery.submit_rows(rows)
+        except BaseException:
+            self._pool.give(None, keep=False)
+            raise
+        self._host_rows = []
+        self._since_flush = 0
         self._windows += 1
-        self._submit(("rows", rows))
-
-    def _submit(self, job: tuple) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._deliver_loop, name="syncless-delivery",
-                                            daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    # ---- delivery (its own thread) -----------------------------------------------------------
-
-    def _deliver_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            kind = job[0]
-            if kind == "stop":
-                return
-            if kind == "marker":
-                job[1].set()
-                continue
-            try:
-                if kind == "rows":
-                    rows = job[1]
-                    for row in rows:
-                        self._count_nonfinite(row.values)
-                else:
-                    rows = self._decode(*job[1:])
-                self._emit(rows)
-            except BaseException as exc:             # never let the thread die silently
-                _log.exception("syncless: delivery failed: %s", exc)
-            finally:
-                if kind == "window":
-                    gen, w = job[1], job[2]
-                    with self._cond:
-                        if gen is self._gen and w.nbytes >= gen.nbytes:
-                            self._free.append(w)
-                        self._outstanding -= 1
-                        self._cond.notify()
-                else:
-                    with self._cond:
-                        self._outstanding -= 1
-                        self._cond.notify()
-
-    def _count_nonfinite(self, values: dict) -> None:
-        for name, v in values.items():
-            if not math.isfinite(v):
-                self._nonfinite[name] = self._nonfinite.get(name, 0) + 1
-
-    def _decode(self, gen: _Generation, w: _Window, flushed_at: float) -> list[Row]:
-        w.win.wait()
-        counter, raw = w.win.decode(gen.next_seq, self._names, self._nonfinite)
-        oldest = max(gen.next_seq, counter - gen.ring.capacity)
-        self._lost += oldest - gen.next_seq
-        gen.next_seq = counter
-        # A graph replay's step was computed on the device (capture step + replay index); the
-        # host saw no call, so its time is that of the flush that found the row.
-        rows = [Row(step, flushed_at if tag & _CAPTURED else t, values)
-                for _seq, tag, step, t, values in raw]
-        return rows
-
-    def _emit(self, rows: list[Row]) -> None:
-        if not rows:
-            return
-        for i, sink in enumerate(self.sinks):
-            try:
-                sink.write(rows)
-            except Exception as exc:
-                self._sink_failed(i, sink, exc)
-        self._delivered += len(rows)
-        last = rows[-1]
-        for row in rows:
-            self.latest.update(row.values)
-        self.latest_step = last.step
-
-    def _sink_failed(self, i: int, sink: Any, exc: BaseException) -> None:
-        self._sink_errors += 1
-        if i not in self._failed_sinks:
-            self._failed_sinks.add(i)
-            _log.error("syncless: sink %r raised %s: %s (reported once; the other sinks go on)",
-                       sink, type(exc).__name__, exc)
 
     # ---- draining ----------------------------------------------------------------------------
 
@@ -414,52 +398,36 @@ class Logger:
         have them. wait=False only enqueues the copy (useful between CUDA graph replays)."""
         if self._closed:
             return
-        if self._gen is not None and self._gen.ring.capturing():
-            raise RuntimeError("flush() inside CUDA graph capture: flush after capture ends")
-        self._flush_window()
+        self._delivery.refuse_on_thread("flush()")
+        with self._lock:
+            if self._gen is not None and self._gen.ring.capturing():
+                raise RuntimeError("flush() inside CUDA graph capture: flush after capture ends")
+            self._flush_window()
+            upto = self._last_step
         if wait:
-            self._drain()
-
-    def _drain(self) -> None:
-        if self._thread is None:
-            return
-        done = threading.Event()
-        self._jobs.put(("marker", done))
-        done.wait()
-        for sink in self.sinks:
-            flush = getattr(sink, "flush", None)
-            if flush is not None:
-                try:
-                    flush()
-                except Exception as exc:
-                    self._sink_failed(self.sinks.index(sink), sink, exc)
+            self._delivery.drain(upto)
 
     def close(self) -> None:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent."""
         if self._closed:
             return
-        if self._gen is not None and self._gen.ring.capturing():
-            # Refused before anything changes: the logger stays open and loses nothing.
-            raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
+        self._delivery.refuse_on_thread("close()")
+        with self._lock:
+            if self._gen is not None and self._gen.ring.capturing():
+                # Refused before anything changes: the logger stays open and loses nothing.
+                raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
+            try:
+                self._flush_window()
+            finally:
+                self._closed = True
         try:
-            self._flush_window()
-            self._drain()
+            self._delivery.drain(float("inf"))
         finally:
-            self._closed = True
-            if self._thread is not None:
-                self._jobs.put(("stop",))
-                self._thread.join()
-            for i, sink in enumerate(self.sinks):
-                close = getattr(sink, "close", None)
-                if close is not None:
-                    try:
-                        close()
-                    except Exception as exc:
-                        self._sink_failed(i, sink, exc)
+            self._delivery.stop()
+            self._delivery.close_sinks()
             if self._gen is not None and self._gen.captured:
                 _captured_rings.append(self._gen.memory)
             self._gen = self._ring = None
-            self._free = []
             _live.discard(self)
 
     def __enter__(self) -> "Logger":
@@ -467,6 +435,48 @@ class Logger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        # A Logger dropped without close() (a local in a function) still delivers its rows;
+        # one that reduces across ranks cannot (closing is a collective every rank must join).
+        if getattr(self, "_closed", True) or getattr(self, "_pid", None) != os.getpid():
+            return
+        if self._reducer is not None:
+            pending = self._calls - self._delivery.delivered
+            if pending:
+                _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d "
+                             "rows (steps after %d) were not delivered; close it on every rank",
+                             pending, self._delivery.delivered_step)
+            self._closed = True
+            self._delivery.stop()
+            return
+        try:
+            self.close()
+        except Exception as exc:
+            _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+
+    def _after_fork_in_child(self) -> None:
+        """The child of os.fork() inherits this object but not its delivery thread, and its
+        rows belong to the parent: it must neither deliver them again nor wait for a thread
+        that does not run. It becomes a closed logger that says why."""
+        self._lock = threading.Lock()
+        self._pool = Pool(self._pool.limit)
+        self._delivery.forget()
+        self._host_rows = []
+        self._gen = self._ring = None
+        self._since_flush = 0
+        self._closed = self._forked = True
+        _live.discard(self)
+
+    # ---- what users read ---------------------------------------------------------------------
+
+    @property
+    def sinks(self) -> list:
+        return self._delivery.sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Iterable[Any]) -> None:
+        self._delivery.sinks = _check_sinks(sinks)     # a new list: the next batch uses it
 
     @property
     def closed(self) -> bool:
@@ -478,9 +488,20 @@ class Logger:
         return self._last_step
 
     @property
+    def delivered_step(self) -> int:
+        """The step of the last row handed to the sinks; -1 before the first."""
+        return self._delivery.delivered_step
+
+    @property
+    def latest(self) -> dict:
+        """The last delivered value of each metric (a few steps behind the loop)."""
+        return self._delivery.latest
+
+    @property
     def stats(self) -> LoggerStats:
-        return LoggerStats(self._calls, self._delivered, self._windows, self._waits,
-                           dict(self._nonfinite), self._lost, self._sink_errors)
+        d = self._delivery
+        return LoggerStats(self._calls, d.delivered, self._windows, self._pool.waits,
+                           dict(d.nonfinite), d.lost, d.sink_errors)
 
     @property
     def device(self) -> torch.device:
@@ -494,6 +515,14 @@ class Logger:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _forked_child() -> None:
+    for log in list(_live):
+        log._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 @atexit.register

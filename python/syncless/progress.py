@@ -55,7 +55,7 @@ def _bar_class() -> type:
                     value = latest[key]
                     text = format(value, fmt) if isinstance(value, float) else str(value)
                     parts.append(f"{key}={text}")
-            step = getattr(log, "latest_step", None)
+            step = getattr(log, "delivered_step", None)
             if isinstance(step, int) and step >= 0 and parts:
                 parts.append(f"@{step}")
             self.postfix = ", ".join(parts)

@@ -17,8 +17,9 @@ The clock is chosen at each use: the current CUDA device when CUDA is initialise
 or destroy per use) and are recorded on torch's current stream, so a use costs two cuEventRecord
 calls and a little Python. Reading `.ms` waits (sleeping, GIL released) for the end event only.
 
-`timer("step", log=log)` hands each duration to a Logger without waiting; see `_Durations` for
-how it reaches the row of its step.
+`timer("step_ms", log=log)` hands each duration to a Logger without waiting, through
+`Logger.attach`: the delivery thread reads it (waiting there, if at all) and adds it to the row of
+its step.
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from array import array
 from time import perf_counter
 from typing import Any, Callable, Iterable, NamedTuple
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from . import _C
-from .logger import Logger, Row     # importing the logger also hands torch's stream source to _C
+from .logger import Logger     # importing the logger also hands torch's stream source to _C
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
            "load_ipython_extension"]
@@ -300,7 +300,7 @@ class Timer:
     not (the decorator form is): give each thread its own `timer(name)`; they share the name's
     statistics.
     """
-    __slots__ = ("name", "last", "_device", "_series", "_open", "_log", "_step", "_durations")
+    __slots__ = ("name", "last", "_device", "_series", "_open", "_log", "_step")
 
     def __init__(self, name: str | None = None, device: Any = None, log: Logger | None = None,
                  step: int | None = None):
@@ -317,9 +317,14 @@ class Timer:
         # one record only.
         self._series = timers._series_for(name) if name is not None else None
         self._open: list[Timing] = []
+        if log is not None:
+            if not isinstance(log, Logger):
+                raise TypeError(f"timer(log=...) takes a syncless.Logger, got "
+                                f"{type(log).__name__}")
+            if log.closed:
+                raise ValueError("timer(log=...): this Logger is closed")
         self._log = log
         self._step = step
-        self._durations = _Durations.attach(log) if log is not None else None
 
     # -- the hot path: enter + exit is two cuEventRecord calls and about twenty lines of Python
 
@@ -353,16 +358,16 @@ class Timer:
         if series is not None:
             series.add(rec)
         self.last = rec
-        if self._durations is not None:
-            log = self._log
-            if not log.closed:
-                step = self._step
-                if step is None:
-                    # The step this block belongs to: the last logged step if log() was called
-                    # inside the block, else the step the next log() call will take.
-                    last = log.last_step
-                    step = last if last != rec._step0 else last + 1
-                self._durations.put(step, self.name, rec)
+        log = self._log
+        if log is not None and not log.closed:
+            step = self._step
+            if step is None:
+                # The step this block belongs to: the last logged step if log() was called
+                # inside the block, else the step the next log() call will take.
+                last = log.last_step
+                step = last if last != rec._step0 else last + 1
+            # Read on the delivery thread, which may wait for the end event there.
+            log.attach(self.name, _reader(rec), step)
 
     def __enter__(self) -> Timing:
         rec = self._begin()
@@ -557,119 +562,8 @@ class _Registry:
 timers = _Registry()
 
 
-# ---- durations into a Logger -------------------------------------------------------------------
-
-class _Durations:
-    """The sink that `timer(name, log=log)` puts first in `log.sinks`.
-
-    A duration is known only once its end event completed, and by then the Logger has usually
-    logged later steps (and its steps never go backwards), so durations do not go through
-    log(). Instead the training thread only appends (step, name, reading) to a deque at the end
-    of the block; on the Logger's delivery thread, before the user's sinks see a window, this
-    sink reads the durations of the window's steps (waiting there, if at all, never in the
-    training loop) and adds them to the rows of their steps, the same list the other sinks then
-    receive. A duration whose row already went out (the window was flushed inside the block)
-    comes as a row of its own at that step with the next window, or at flush()/close().
-    """
-
-    def __init__(self, log: Logger):
-        self._log = weakref.ref(log)
-        self._incoming: collections.deque = collections.deque()   # training thread appends
-        self._held: list[tuple] = []                              # delivery side only
-        self._sent = -1                                           # last step the sinks saw
-        self._failed: set[int] = set()
-
-    @classmethod
-    def attach(cls, log: Logger) -> "_Durations":
-        if not isinstance(log, Logger):
-            raise TypeError(f"timer(log=...) takes a syncless.Logger, got {type(log).__name__}")
-        if log.closed:
-            raise ValueError("timer(log=...): this Logger is closed")
-        for sink in log.sinks:
-            if isinstance(sink, cls):
-                return sink
-        durations = cls(log)
-        # A new list, not an insert: the delivery thread may be iterating the old one right now.
-        log.sinks = [durations, *log.sinks]
-        return durations
-
-    def put(self, step: int, name: str, rec: Timing) -> None:
-        self._incoming.append((step, name, rec, time.time()))
-
-    def _take(self, up_to: float) -> list[tuple]:
-        incoming = self._incoming
-        while incoming:
-            self._held.append(incoming.popleft())
-        due = [h for h in self._held if h[0] <= up_to]
-        if due:
-            self._held = [h for h in self._held if h[0] > up_to]
-        return due
-
-    def _sum(self, due: list[tuple]) -> tuple[dict, dict]:
-        values: dict[int, dict[str, float]] = {}
-        stamps: dict[int, float] = {}
-        for step, name, rec, t in due:
-            step = max(step, self._sent)        # never behind what the sinks already saw
-            ms = rec.ms                         # may wait: on the delivery thread, GIL released
-            row = values.setdefault(step, {})
-            row[name] = row.get(name, 0.0) + ms
-            stamps.setdefault(step, t)
-        return values, stamps
-
-    # -- the sink protocol
-
-    def write(self, rows: list[Row]) -> None:
-        if not rows:
-            return
-        last = rows[-1].step
-        due = self._take(last)
-        if due:
-            values, stamps = self._sum(due)
-            first: dict[int, Row] = {}
-            for row in rows:
-                first.setdefault(row.step, row)
-            added = False
-            for step, vals in values.items():
-                row = first.get(step)
-                if row is not None:
-                    row.values.update(vals)
-                else:
-                    rows.append(Row(step, stamps[step], vals))
-                    added = True
-            if added:
-                rows.sort(key=lambda r: r.step)     # stable: the user's rows keep their order
-        self._sent = max(self._sent, last)
-
-    def flush(self) -> None:
-        # Called by Logger.flush()/close() after the delivery thread went idle, so writing to
-        # the other sinks from here cannot interleave with a window.
-        log = self._log()
-        if log is not None:
-            self._send(self._take(log.last_step))
-
-    def close(self) -> None:
-        self._send(self._take(math.inf))
-
-    def _send(self, due: list[tuple]) -> None:
-        log = self._log()
-        if not due or log is None:
-            return
-        values, stamps = self._sum(due)
-        rows = [Row(step, stamps[step], values[step]) for step in sorted(values)]
-        self._sent = max(self._sent, rows[-1].step)
-        for i, sink in enumerate(log.sinks):
-            if sink is self:
-                continue
-            try:
-                sink.write(rows)
-            except Exception as exc:
-                if i not in self._failed:
-                    self._failed.add(i)
-                    _log.error("syncless: sink %r raised %s writing timer durations: %s",
-                               sink, type(exc).__name__, exc)
-
-    def __repr__(self) -> str:
-        return "syncless.timer durations"
+def _reader(rec: Timing) -> Callable[[], float]:
+    return lambda: rec.ms
 
 
 # ---- microbenchmark ----------------------------------------------------------------------------
@@ -683,8 +577,14 @@ def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100, *, flush_l2: 
     warmup and rep are counts (triton's do_bench takes millisecond budgets instead). The
     device is chosen after the first warm-up call, so fn may be what initialises CUDA.
     """
-    if rep < 1 or warmup < 0:
-        raise ValueError(f"bench needs rep >= 1 and warmup >= 0, got rep={rep}, warmup={warmup}")
+    for name, v, least in (("rep", rep, 1), ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"bench({name}=...) must be an int (a count of calls), got "
+                            f"{type(v).__name__} {v!r}")
+        if v < least:
+            raise ValueError(f"bench needs {name} >= {least}, got {name}={v}")
+    if not callable(fn):
+        raise TypeError(f"bench(fn) needs a callable, got {type(fn).__name__}")
     dev = _parse_device(device)
     for _ in range(warmup):
         fn()

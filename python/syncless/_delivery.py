@@ -1,0 +1,338 @@
+"""The delivery stage: everything that happens to a row after the training thread let it go.
+
+One object per Logger, one thread it owns. The training thread hands it work through a queue
+(`window`: a pinned copy of the device ring to decode; `rows`: host rows; `attach`: a value that
+becomes known later; `marker`: "tell me when you got here") and shares nothing else with it but
+the window pool, whose lock is the only one both sides take. On its own thread the stage:
+
+    decodes a window (waiting, GIL released, for its copy event)
+    counts NaN/Inf per metric
+    merges late values into the rows of their steps
+    adds the GPU timestamps' metrics (gpu/step_ms, gpu/lag_ms) when asked
+    updates `latest`, then gives every sink its own copy of the rows, in step order
+    reports each failing sink once and goes on with the others, whatever it raised
+
+Once late values are in use, rows of the newest step in a batch are held back until the next
+batch (or a flush), so a late value for the step a flush just closed (the usual case: a timer
+around a step that logs inside it) still joins that step's row instead of arriving as a row of
+its own.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["Delivery", "Pool", "Row", "RESERVED"]
+
+_log = logging.getLogger("syncless")
+
+_CAPTURED = 1 << 63
+GPU_STEP = "gpu/step_ms"
+GPU_LAG = "gpu/lag_ms"
+RESERVED = frozenset({"step", "time"})       # every row's own fields in JSONL and CSV
+
+
+class _RowFields(NamedTuple):
+    step: int
+    time: float
+    values: dict
+
+
+class Row(_RowFields):
+    """One logged step as sinks receive it: plain Python floats, never tensors.
+
+    `step`, `time` (host wall time of the log() call; for a row replayed by a CUDA graph, the
+    time of the flush that found it) and `values` ({name: float}; absent metrics are absent).
+    `gpu_ns` is the GPU's clock (%globaltimer, ns) when the gather kernel wrote the row, or None
+    for rows that never touched a GPU.
+    """
+    gpu_ns: int | None = None
+    late: bool = False               # True for a row made only of late values (see attach)
+
+    def _with(self, values: dict) -> "Row":
+        row = Row(self.step, self.time, values)
+        if self.gpu_ns is not None:
+            row.gpu_ns = self.gpu_ns
+        return row
+
+
+class Pool:
+    """Pinned windows and their backpressure, shared by the two threads under one condition."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.cond = threading.Condition()
+        self.free: list = []
+        self.outstanding = 0
+        self.waits = 0
+
+    def take(self) -> Any | None:
+        """A free window, or None when a new one may be made. Waits (and counts it) while
+        `limit` windows are undelivered: backpressure, never loss."""
+        with self.cond:
+            while not self.free and self.outstanding >= self.limit:
+                self.waits += 1
+                self.cond.wait()
+            self.outstanding += 1
+            return self.free.pop() if self.free else None
+
+    def give(self, window: Any | None, keep: bool) -> None:
+        with self.cond:
+            if keep and window is not None:
+                self.free.append(window)
+            self.outstanding -= 1
+            self.cond.notify()
+
+
+class _Late:
+    __slots__ = ("step", "name", "resolve")
+
+    def __init__(self, step: int, name: str, resolve: Callable[[], float]):
+        self.step, self.name, self.resolve = step, name, resolve
+
+
+class Delivery:
+    """The delivery side of one Logger. Training-thread entry points: submit_window,
+    submit_rows, attach, drain, stop, on_thread. Everything else runs on its thread."""
+
+    def __init__(self, sinks: list, names: list[str], pool: Pool, gpu_time: bool):
+        self.sinks = sinks
+        self._names = names                  # append-only, shared with the training thread
+        self._pool = pool
+        self._gpu_time = gpu_time
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ident = -1
+        # Owned by the delivery thread (read by stats between drains).
+        self.delivered = 0
+        self.lost = 0
+        self.nonfinite: dict[str, int] = {}
+        self.sink_errors = 0
+        self.latest: dict[str, float] = {}
+        self.delivered_step = -1
+        self._failed: set[int] = set()
+        self._held: list[Row] = []           # rows of the newest step, waiting one batch
+        self._hold = False                   # only once late values are in use
+        self._late: list[_Late] = []
+        self._last_gpu_ns: int | None = None
+        self._gpu_offset: int | None = None  # min(gpu_ns - host_ns): the clocks' alignment
+
+    # ---- the training thread's side -----------------------------------------------------------
+
+    def submit_window(self, gen: Any, window: Any, flushed_at: float) -> None:
+        self._put(("window", gen, window, flushed_at))
+
+    def submit_rows(self, rows: list[Row]) -> None:
+        self._put(("rows", rows))
+
+    def attach(self, step: int, name: str, resolve: Callable[[], float]) -> None:
+        self._put(("late", _Late(step, name, resolve)))
+
+    def drain(self, upto: float) -> None:
+        """Return once everything submitted so far reached the sinks (held rows too, and late
+        values of steps up to `upto`), then flush the sinks. On the delivery thread itself this
+        would wait forever: refused."""
+        if self._thread is None:
+            return
+        self.refuse_on_thread("flush() or close()")
+        done = threading.Event()
+        self._jobs.put(("marker", done, upto))
+        done.wait()
+        for i, sink in enumerate(self.sinks):
+            flush = getattr(sink, "flush", None)
+            if flush is not None:
+                try:
+                    flush()
+                except BaseException as exc:
+                    self._sink_failed(i, sink, exc)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(("stop",))
+            self._thread.join()
+            self._thread = None
+
+    def on_thread(self) -> bool:
+        return threading.get_ident() == self._ident
+
+    def refuse_on_thread(self, what: str) -> None:
+        if threading.get_ident() == self._ident:
+            raise RuntimeError(
+                f"syncless.Logger: {what} was called from a sink's write(), on the logger's own "
+                "delivery thread; it would wait for itself forever. Sinks must not call the "
+                "logger they belong to (log to another Logger, or keep the values and log them "
+                "from the training loop).")
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's thread, queue and state without touching them."""
+        self._jobs = queue.SimpleQueue()
+        self._thread = None
+        self._ident = -1
+        self._held = []
+        self._late = []
+
+    def _put(self, job: tuple) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="syncless-delivery",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    # ---- the delivery thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._ident = threading.get_ident()
+        while True:
+            job = self._jobs.get()
+            kind = job[0]
+            if kind == "stop":
+                self._emit([], upto=math.inf)
+                return
+            if kind == "marker":
+                self._emit([], upto=job[2])
+                job[1].set()
+                continue
+            if kind == "late":
+                self._late.append(job[1])
+                self._hold = True
+                continue
+            try:
+                if kind == "rows":
+                    rows = job[1]
+                    for row in rows:
+                        self._count_nonfinite(row.values)
+                else:
+                    rows = self._decode(*job[1:])
+                self._emit(rows, upto=None)
+            except BaseException as exc:          # the thread must never die silently
+                _log.exception("syncless: delivery failed: %s", exc)
+            finally:
+                if kind == "window":
+                    gen, w = job[1], job[2]
+                    self._pool.give(w, keep=gen.current and w.nbytes >= gen.nbytes)
+                else:
+                    self._pool.give(None, keep=False)
+
+    def _count_nonfinite(self, values: dict) -> None:
+        for name, v in values.items():
+            if not math.isfinite(v):
+                self.nonfinite[name] = self.nonfinite.get(name, 0) + 1
+
+    def _decode(self, gen: Any, w: Any, flushed_at: float) -> list[Row]:
+        w.win.wait()
+        counter, raw = w.win.decode(gen.next_seq, self._names, self.nonfinite)
+        oldest = max(gen.next_seq, counter - gen.capacity)
+        self.lost += oldest - gen.next_seq
+        gen.next_seq = counter
+        rows = []
+        for item in raw:
+            tag, step, t, values = item[1], item[2], item[3], item[-1]
+            # A graph replay's step was computed on the device (capture step + replay index);
+            # the host saw no call, so its time is that of the flush that found the row.
+            row = Row(step, flushed_at if tag & _CAPTURED else t, values)
+            if len(item) == 6:
+                row.gpu_ns = item[4]
+            if self._gpu_time:
+                self._gpu_metrics(row, captured=bool(tag & _CAPTURED))
+            rows.append(row)
+        return rows
+
+    def _gpu_metrics(self, row: Row, captured: bool) -> None:
+        gpu = row.gpu_ns
+        if gpu is None:
+            return
+        if self._last_gpu_ns is not None:
+            row.values[GPU_STEP] = (gpu - self._last_gpu_ns) / 1e6
+        self._last_gpu_ns = gpu
+        if captured:
+            return                           # no host call time to compare with
+        # The smallest (GPU write - host call) seen is the clocks' offset plus the launch
+        # latency: the moment the GPU was idle, waiting for this very call. Lag above it is
+        # queue depth: ~0 when the CPU is the bottleneck, growing when the GPU is.
+        d = gpu - int(row.time * 1e9)
+        if self._gpu_offset is None or d < self._gpu_offset:
+            self._gpu_offset = d
+        row.values[GPU_LAG] = (d - self._gpu_offset) / 1e6
+
+    def _merge_late(self, rows: list[Row], upto: float | None) -> list[Row]:
+        """Late values join the first row of their step; those whose step already went out
+        (or, at a drain, has no row) become rows of their own at that step."""
+        if not self._late:
+            return rows
+        top = rows[-1].step if rows else -1
+        if upto is not None:
+            top = max(top, upto)
+        due, keep = [], []
+        for late in self._late:
+            (due if late.step <= top else keep).append(late)
+        self._late = keep
+        if not due:
+            return rows
+        first: dict[int, Row] = {}
+        for row in rows:
+            first.setdefault(row.step, row)
+        extra: dict[int, dict] = {}
+        for late in due:
+            try:
+                v = float(late.resolve())    # may wait (a timer's end event): this thread only
+            except BaseException as exc:
+                _log.error("syncless: late value %r for step %d failed: %s: %s",
+                           late.name, late.step, type(exc).__name__, exc)
+                continue
+            row = first.get(late.step)
+            values = row.values if row is not None else extra.setdefault(late.step, {})
+            values[late.name] = values.get(late.name, 0.0) + v     # repeated durations add up
+            if not math.isfinite(v):
+                self.nonfinite[late.name] = self.nonfinite.get(late.name, 0) + 1
+        if extra:
+            now = time.time()
+            for step, values in extra.items():
+                row = Row(step, now, values)
+                row.late = True
+                rows.append(row)
+            rows.sort(key=lambda r: r.step)        # stable: equal steps keep their order
+        return rows
+
+    def _emit(self, rows: list[Row], upto: float | None) -> None:
+        """upto None: a batch (hold its newest step back); else a drain up to that step."""
+        rows = self._held + rows
+        self._held = []
+        if rows and upto is None and self._hold:
+            top = rows[-1].step
+            cut = len(rows)
+            while cut and rows[cut - 1].step == top:
+                cut -= 1
+            rows, self._held = rows[:cut], rows[cut:]
+        rows = self._merge_late(rows, upto)
+        if not rows:
+            return
+        for row in rows:
+            self.latest.update(row.values)
+        self.delivered += sum(1 for row in rows if not row.late)
+        self.delivered_step = rows[-1].step
+        for i, sink in enumerate(self.sinks):
+            copies = [row._with(dict(row.values)) for row in rows]    # a sink cannot corrupt
+            try:                                                      # what the others get
+                sink.write(copies)
+            except BaseException as exc:        # KeyboardInterrupt from a sink included
+                self._sink_failed(i, sink, exc)
+
+    def _sink_failed(self, i: int, sink: Any, exc: BaseException) -> None:
+        self.sink_errors += 1
+        if i not in self._failed:
+            self._failed.add(i)
+            _log.error("syncless: sink %r raised %s: %s (reported once; the other sinks go on)",
+                       sink, type(exc).__name__, exc)
+
+    def close_sinks(self) -> None:
+        for i, sink in enumerate(self.sinks):
+            close = getattr(sink, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except BaseException as exc:
+                    self._sink_failed(i, sink, exc)
