@@ -15,16 +15,21 @@ workers and forked children import it safely.
 """
 from . import sinks
 from ._C import CudaError
-from .doctor import StepMonitor, SyncError, audit, doctor, watch
+from .doctor import (Audit, Diagnosis, Finding, MonitorSummary, StepMonitor, SyncError, Watch,
+                     audit, doctor, watch)
 from .logger import Logger, LoggerStats, Row
 from .progress import tqdm
-from .timer import bench, load_ipython_extension, timer, timers
+from .timer import Report, Stats, Timer, Timing, bench, load_ipython_extension, timer, timers
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"          # the one place the version is written (pyproject reads it)
 
 __all__ = [
-    "Logger", "LoggerStats", "Row", "sinks",         # sync-free metrics
-    "timer", "timers", "bench",                      # GPU timing that cannot be read early
-    "audit", "watch", "StepMonitor", "doctor", "SyncError",   # finding what stalls the loop
+    # sync-free metrics: Logger(...)(**metrics); sinks get Row(step, time, values); log.stats
+    "Logger", "Row", "LoggerStats", "sinks",
+    # GPU timing that cannot be read early: timer() -> Timer, `with` -> Timing; bench -> Stats
+    "timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
+    # finding what stalls the loop: audit() -> Audit, watch() -> Watch, doctor() -> Diagnosis
+    "audit", "Audit", "SyncError", "watch", "Watch", "StepMonitor", "MonitorSummary",
+    "doctor", "Diagnosis", "Finding",
     "tqdm", "CudaError", "load_ipython_extension", "__version__",
 ]
