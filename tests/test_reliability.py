@@ -40,15 +40,15 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 # ---- forks --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("child", ["exit", "close", "log"])
-def test_forked_child_exits_cleanly_and_never_delivers_the_parents_rows(tmp_path, child):
+def test_forked_child_exits_cleanly_and_never_delivers_the_parents_rows(device, tmp_path, child):
     path = tmp_path / "m.jsonl"
     r = run_python(f"""
-        import os, sys, syncless
+        import os, sys, torch, syncless
         log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL({str(path)!r})])
         for i in range(5):
-            log(loss=float(i))
+            log(loss=torch.tensor(float(i), device={device!r}))
         log.flush()                          # the delivery thread is running when we fork
-        log(loss=5.0)                        # and one row is still pending
+        log(loss=torch.tensor(5.0, device={device!r}))   # and one row is still pending
         pid = os.fork()
         if pid == 0:
             if {child!r} == "close":
@@ -61,7 +61,7 @@ def test_forked_child_exits_cleanly_and_never_delivers_the_parents_rows(tmp_path
             sys.exit(0)                      # atexit runs: must not hang or write
         _, status = os.waitpid(pid, 0)
         print("child status", status, flush=True)
-        log(loss=6.0)
+        log(loss=torch.tensor(6.0, device={device!r}))
         log.close()
     """, timeout=60)
     assert r.returncode == 0, r.stderr
