@@ -168,3 +168,47 @@ def test_flush_and_close_inside_capture_are_refused_and_lose_nothing():
     assert not log.closed
     log.close()
     assert sink.rows == [(0, {"x": 3.0})]
+
+
+def test_gpu_time_rows_carry_the_gpu_clock_and_step_times(no_syncs):
+    keep = []
+
+    class Keep:
+        def write(self, rows):
+            keep.extend(rows)
+
+    a = torch.randn(2048, 2048, device="cuda")
+    start, ends = torch.cuda.Event(enable_timing=True), []
+    log = syncless.Logger(every=10, sinks=[Keep()], gpu_time=True, device="cuda")
+    log(loss=a.sum())
+    start.record()
+    for _ in range(30):
+        y = a @ a @ a
+        log(loss=y.mean())
+        ends.append(torch.cuda.Event(enable_timing=True))
+        ends[-1].record()
+    torch.cuda.set_sync_debug_mode(0)
+    log.close()
+    assert [r.step for r in keep] == list(range(31))
+    assert all(isinstance(r.gpu_ns, int) for r in keep)
+    assert [r.gpu_ns for r in keep] == sorted(r.gpu_ns for r in keep)
+    assert "gpu/step_ms" not in keep[0].values and "gpu/lag_ms" in keep[0].values
+    ev = [start.elapsed_time(ends[0])] + [ends[i - 1].elapsed_time(ends[i]) for i in range(1, 30)]
+    gpu = [r.values["gpu/step_ms"] for r in keep[1:]]
+    # The same intervals, seen by two clocks: within 2% apart from a few µs of jitter.
+    for g, e in zip(gpu[2:], ev[2:]):
+        assert abs(g - e) <= 0.02 * e + 0.01
+    assert min(r.values["gpu/lag_ms"] for r in keep) == 0.0
+
+
+def test_gpu_time_off_adds_nothing():
+    keep = []
+
+    class Keep:
+        def write(self, rows):
+            keep.extend(rows)
+
+    with syncless.Logger(every=5, sinks=[Keep()], device="cuda") as log:
+        for i in range(3):
+            log(x=torch.tensor(float(i), device="cuda"))
+    assert [dict(r.values) for r in keep] == [{"x": 0.0}, {"x": 1.0}, {"x": 2.0}]

@@ -307,3 +307,11 @@ def test_attach_refuses_bad_input():
             log.attach("x", 1.0)
         with pytest.raises(TypeError, match="step must be an int"):
             log.attach("x", lambda: 1.0, step="3")
+
+
+def test_gpu_time_on_cpu_rows_adds_no_columns():
+    got = Collect()
+    with syncless.Logger(every=2, sinks=[got], gpu_time=True) as log:
+        for i in range(3):
+            log(x=float(i))
+    assert got.rows == [(0, {"x": 0.0}), (1, {"x": 1.0}), (2, {"x": 2.0})]
