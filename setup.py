@@ -3,7 +3,7 @@ import os
 
 from setuptools import Extension, setup
 
-sources = ["module.c", "cuda.c", "metric.c", "ring.c", "events.c"]
+sources = ["module.c", "cuda.c", "metric.c", "ring.c", "events.c", "timer.c"]
 flags = ["-std=c11", "-Wall", "-Wextra", "-O2", "-fvisibility=hidden"]
 if os.environ.get("SYNCLESS_SANITIZE"):
     # The test suite runs once under ASan+UBSan in CI (see .ci/run).

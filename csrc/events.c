@@ -5,7 +5,10 @@
  * that waits for one sleeps rather than spinning a core. Timing stays enabled for the timer. */
 #include "syncless.h"
 
+#include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
+#include <structmember.h>
 
 int sl_event_take(sl_state *st, int device, CUevent *out)
 {
@@ -45,12 +48,19 @@ void sl_events_clear(sl_state *st)
 
 /* ---- EventPair: the GPU half of syncless.timer() ------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD int device;
-    CUevent start, stop;
-    CUstream started_on;
-    int state; /* 0 fresh, 1 started, 2 stopped */
-} EventPair;
+
+void sl_pair_init(sl_state *st, EventPair *self, int device)
+{
+    self->st = st;
+    self->device = device;
+    self->start = self->stop = NULL;
+    self->started_on = NULL;
+    self->state = 0;
+    self->t0 = 0;
+    self->cpu_ms = self->ms = NAN;
+    self->name = Py_None;
+    Py_INCREF(Py_None);
+}
 
 static PyObject *EventPair_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
@@ -62,42 +72,40 @@ static PyObject *EventPair_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "syncless: CUDA device %d out of range", device);
         return NULL;
     }
-    sl_state *st = sl_type_state(type);
-    if (sl_driver_load(st))
+    sl_state *st = sl_state_of(type);
+    if (st == NULL || sl_driver_load(st))
         return NULL;
     EventPair *self = (EventPair *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
     if (self == NULL)
         return NULL;
     /* The events are taken at start(), after the capture check: nothing reaches the driver
      * before we know the stream is not being captured. */
-    self->device = device;
-    self->start = self->stop = NULL;
-    self->started_on = NULL;
-    self->state = 0;
+    sl_pair_init(st, self, device);
     return (PyObject *)self;
 }
 
 static void EventPair_dealloc(EventPair *self)
 {
     PyTypeObject *type = Py_TYPE(self);
-    sl_state *st = sl_type_state(type);
+    sl_state *st = self->st;
     if (self->start)
         sl_event_give(st, self->device, self->start);
     if (self->stop)
         sl_event_give(st, self->device, self->stop);
+    Py_CLEAR(self->name);
     ((freefunc)PyType_GetSlot(type, Py_tp_free))(self);
     Py_DECREF(type);
 }
 
-/* Record the start (which == 0) or the end (1) on torch's current stream of the pair's device. */
-static PyObject *record(EventPair *self, int which)
+/* Record the start (which == 0) or the end (1) on torch's current stream of the pair's device:
+ * 0, or -1 with an exception set. */
+int sl_pair_record(sl_state *st, EventPair *self, int which)
 {
-    sl_state *st = sl_type_state(Py_TYPE(self));
     CUcontext prev;
     CUstream stream;
     int capturing = 0;
     if (sl_enter_device(st, self->device, &prev))
-        return NULL;
+        return -1;
     int rc = sl_current_stream(st, self->device, &stream);
     /* The end, on the stream the start was recorded on, skips the second check (one driver call
      * of the ~3 per record): the start proved that stream was not capturing, and a block that
@@ -120,10 +128,17 @@ static PyObject *record(EventPair *self, int which)
                       "cuEventRecord");
     sl_leave_device(st, prev);
     if (rc)
-        return NULL;
+        return -1;
     if (which == 0)
         self->started_on = stream;
     self->state = which ? 2 : 1;
+    return 0;
+}
+
+static PyObject *record(EventPair *self, int which)
+{
+    if (sl_pair_record(self->st, self, which))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -149,7 +164,7 @@ static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
     (void)unused;
     if (self->state != 2)
         Py_RETURN_FALSE;
-    sl_state *st = sl_type_state(Py_TYPE(self));
+    sl_state *st = self->st;
     CUresult rc = st->drv.cuEventQuery(self->stop);
     if (rc == CUDA_ERROR_NOT_READY)
         Py_RETURN_FALSE;
@@ -163,7 +178,7 @@ static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
  * come from a thread torch never touched (the logger's delivery thread). */
 static PyObject *read_elapsed(EventPair *self, int wait, int *not_ready)
 {
-    sl_state *st = sl_type_state(Py_TYPE(self));
+    sl_state *st = self->st;
     CUcontext prev;
     float ms = 0;
     *not_ready = 0;
@@ -184,6 +199,11 @@ static PyObject *read_elapsed(EventPair *self, int wait, int *not_ready)
     }
     if (sl_check(st, rc, "cuEventElapsedTime"))
         return NULL;
+    self->ms = ms;
+    /* The reading is kept; the two events go back to the pool at once. */
+    sl_event_give(st, self->device, self->start);
+    sl_event_give(st, self->device, self->stop);
+    self->start = self->stop = NULL;
     return PyFloat_FromDouble(ms);
 }
 
@@ -193,6 +213,8 @@ static PyObject *EventPair_elapsed(EventPair *self, PyObject *unused)
 {
     (void)unused;
     int not_ready;
+    if (!isnan(self->ms))
+        return PyFloat_FromDouble(self->ms);
     if (self->state != 2) {
         PyErr_SetString(PyExc_RuntimeError, "the timed block has not ended yet");
         return NULL;
@@ -206,6 +228,8 @@ static PyObject *EventPair_poll(EventPair *self, PyObject *unused)
 {
     (void)unused;
     int not_ready;
+    if (!isnan(self->ms))
+        return PyFloat_FromDouble(self->ms);
     if (self->state != 2)
         Py_RETURN_NONE;
     PyObject *ms = read_elapsed(self, 0, &not_ready);
@@ -225,16 +249,26 @@ static PyMethodDef EventPair_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef EventPair_members[] = {
+    {"name", T_OBJECT, offsetof(EventPair, name), READONLY, "the timer's name, or None"},
+    {"_device", T_INT, offsetof(EventPair, device), READONLY, "CUDA ordinal, -1: host clock"},
+    {"_state", T_INT, offsetof(EventPair, state), READONLY, "0 fresh, 1 started, 2 stopped"},
+    {"_cpu_ms", T_DOUBLE, offsetof(EventPair, cpu_ms), READONLY, "host ms inside, NaN: running"},
+    {"_ms", T_DOUBLE, offsetof(EventPair, ms), READONLY, "the reading in ms once known, else NaN"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot EventPair_slots[] = {
     {Py_tp_new, EventPair_new},
     {Py_tp_dealloc, EventPair_dealloc},
     {Py_tp_methods, EventPair_methods},
+    {Py_tp_members, EventPair_members},
     {Py_tp_doc, "EventPair(device): two pooled CUDA events timing a stretch of one stream."},
     {0, NULL},
 };
 
 static PyType_Spec EventPair_spec = {"syncless._C.EventPair", sizeof(EventPair), 0,
-                                     Py_TPFLAGS_DEFAULT, EventPair_slots};
+                                     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, EventPair_slots};
 
 int sl_timer_init_types(PyObject *module, sl_state *st)
 {

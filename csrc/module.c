@@ -25,6 +25,21 @@ sl_state *sl_type_state(PyTypeObject *type)
     return (sl_state *)PyType_GetModuleState(type);
 }
 
+/* Our heap types carry the module; a Python subclass of one (Timer, Timing) does not, so look
+ * at its bases. Only for constructors: instances keep the state pointer they were made with. */
+sl_state *sl_state_of(PyTypeObject *type)
+{
+    for (int depth = 0; type != NULL && depth < 8; depth++) {
+        sl_state *st = (sl_state *)PyType_GetModuleState(type);
+        if (st != NULL)
+            return st;
+        PyErr_Clear();
+        type = (PyTypeObject *)PyType_GetSlot(type, Py_tp_base);
+    }
+    PyErr_SetString(PyExc_TypeError, "syncless: not a syncless._C type");
+    return NULL;
+}
+
 /* bind_torch(Tensor, dtype_kinds, exchange_capsule_or_None, raw_stream)
  * dtype_kinds maps torch dtypes to enum sl_kind for torch builds without the exchange table. */
 static PyObject *bind_torch(PyObject *module, PyObject *args)
@@ -143,7 +158,8 @@ static int exec_module(PyObject *module)
     }
     if (PyModule_AddObjectRef(module, "CudaError", sl_CudaError))
         return -1;
-    if (sl_ring_init_types(module, st) || sl_timer_init_types(module, st))
+    if (sl_ring_init_types(module, st) || sl_timer_init_types(module, st) ||
+        sl_clock_init_types(module, st))
         return -1;
     return 0;
 }
@@ -154,6 +170,9 @@ static int traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->ring_type);
     Py_VISIT(st->window_type);
     Py_VISIT(st->timer_type);
+    Py_VISIT(st->clock_type);
+    Py_VISIT(st->timing_type);
+    Py_VISIT(st->auto_device);
     Py_VISIT(st->tensor_type);
     Py_VISIT(st->xapi_capsule);
     Py_VISIT(st->dtype_codes);
@@ -167,6 +186,11 @@ static int clear(PyObject *module)
     Py_CLEAR(st->ring_type);
     Py_CLEAR(st->window_type);
     Py_CLEAR(st->timer_type);
+    Py_CLEAR(st->clock_type);
+    Py_CLEAR(st->timing_type);
+    Py_CLEAR(st->auto_device);
+    Py_CLEAR(st->after_str);
+    Py_CLEAR(st->before_str);
     Py_CLEAR(st->tensor_type);
     Py_CLEAR(st->xapi_capsule);
     Py_CLEAR(st->dtype_codes);

@@ -132,6 +132,7 @@ typedef struct {
     PyTypeObject *ring_type;
     PyTypeObject *window_type;
     PyTypeObject *timer_type;
+    PyTypeObject *clock_type;
     PyObject *tensor_type;       /* torch.Tensor once registered, else NULL */
     const sl_exchange_api *xapi; /* borrowed from the capsule we keep in xapi_capsule */
     PyObject *xapi_capsule;
@@ -146,12 +147,17 @@ typedef struct {
     CUmodule module[SL_MAX_DEVICES];
     CUfunction gather[SL_MAX_DEVICES][3];
     /* Event pool (timer and windows); events are per device context. */
+    /* The timer's fast path (timer.c): the Python record type, the Python device chooser for
+     * when no context says it, and whether torch's CUDA is known to be initialised. */
+    PyObject *timing_type, *auto_device, *after_str, *before_str;
+    int cuda_seen;
     CUevent *pool[SL_MAX_DEVICES];
     int pool_len[SL_MAX_DEVICES], pool_cap[SL_MAX_DEVICES];
 } sl_state;
 
 sl_state *sl_get_state(PyObject *module);
 sl_state *sl_type_state(PyTypeObject *type);
+sl_state *sl_state_of(PyTypeObject *type); /* also for a Python subclass of one of our types */
 
 /* cuda.c */
 int sl_driver_load(sl_state *st);                          /* 0, or -1 with an exception set */
@@ -168,6 +174,23 @@ int sl_current_stream(sl_state *st, int device, CUstream *out);
 /* ring.c */
 int sl_ring_init_types(PyObject *module, sl_state *st);
 
+/* events.c: an event pair, also the record of one timed block (Python's Timing subclasses it;
+ * timer.c makes them): host clock readings and the GPU reading once known (NaN until then). */
+typedef struct sl_pair {
+    PyObject_HEAD int device; /* CUDA ordinal, or -1 for a block timed on the host clock */
+    CUevent start, stop;
+    CUstream started_on;
+    int state; /* 0 fresh, 1 started, 2 stopped */
+    double t0; /* host seconds (CLOCK_MONOTONIC, perf_counter's clock) at the start */
+    double cpu_ms, ms;
+    PyObject *name; /* the timer's name, or None */
+    sl_state *st;   /* kept: a Python subclass's type has no module state of its own */
+} EventPair;
+
+void sl_pair_init(sl_state *st, EventPair *self, int device);
+int sl_pair_record(sl_state *st, EventPair *self, int which);
+/* timer.c */
+int sl_clock_init_types(PyObject *module, sl_state *st);
 /* events.c */
 int sl_event_take(sl_state *st, int device, CUevent *out);
 void sl_event_give(sl_state *st, int device, CUevent ev);

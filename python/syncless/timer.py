@@ -28,6 +28,7 @@ import functools
 import html
 import logging
 import math
+import os
 import threading
 import time
 from array import array
@@ -46,6 +47,8 @@ _log = logging.getLogger("syncless")
 
 _CPU = -1
 _CUDA_CURRENT = -2                  # device="cuda": whichever device is current at each use
+_AUTO = -3                          # no device given: CUDA's current device once it is up
+_AFTER, _BEFORE = 1, 2              # TimerBase._hooks: call Timer._after / _before
 _COLLECT_EVERY = 256                # read finished event pairs of a named timer in batches
 _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50 MB)
 
@@ -137,20 +140,14 @@ class Stats(NamedTuple):
 
 # ---- one use -----------------------------------------------------------------------------------
 
-class Timing:
+class Timing(_C.EventPair):
     """The reading of one timed block: what `with timer() as t` binds to `t`.
 
     `ms` waits for the end event, so it is never early; `ready` says whether it would wait.
-    On the CPU clock `ms` and `cpu_ms` are the same wall time.
+    On the CPU clock `ms` and `cpu_ms` are the same wall time. Made by the timer (in C), never
+    by hand; the two events go back to the pool once the reading is taken.
     """
-    __slots__ = ("name", "_device", "_pair", "_t0", "_cpu_ms", "_ms", "_step0")
-
-    def __init__(self, name: str | None, device: int):
-        self.name = name
-        self._device = device
-        self._pair = None           # the EventPair until its duration is read, then None
-        self._cpu_ms: float | None = None
-        self._ms: float | None = None
+    __slots__ = ("_step0",)
 
     def _early(self, what: str) -> str:
         label = f"timer {self.name!r}" if self.name else "timer"
@@ -161,35 +158,23 @@ class Timing:
         """Milliseconds of the block: GPU time between the two events (waiting for the end
         event first), or wall time on the CPU clock."""
         ms = self._ms
-        if ms is not None:
+        if ms == ms:                    # not NaN: known
             return ms
-        if self._cpu_ms is None:
+        if self._state != 2:
             raise RuntimeError(self._early("ms"))
-        pair = self._pair
-        if pair is None:                # another thread read it meanwhile
-            return self._ms
-        ms = self._ms = pair.elapsed()
-        self._pair = None               # the two events go back to the pool
-        return ms
+        return self.elapsed()
 
     def _poll(self) -> float | None:
         """ms if known without waiting, else None."""
         ms = self._ms
-        if ms is not None or self._cpu_ms is None:
+        if ms == ms:
             return ms
-        pair = self._pair
-        if pair is None:
-            return self._ms
-        ms = pair.poll()
-        if ms is not None:
-            self._ms = ms
-            self._pair = None
-        return ms
+        return self.poll() if self._state == 2 else None
 
     @property
     def cpu_ms(self) -> float:
         """Host wall time spent inside the block, in milliseconds."""
-        if self._cpu_ms is None:
+        if self._state != 2:
             raise RuntimeError(self._early("cpu_ms"))
         return self._cpu_ms
 
@@ -205,7 +190,7 @@ class Timing:
     def __repr__(self) -> str:
         """Never waits: an unfinished GPU reading shows as pending."""
         label = f"<timer {self.name!r}" if self.name else "<timer"
-        if self._cpu_ms is None:
+        if self._state != 2:
             return f"{label} running>"
         if self._device < 0:
             return f"{label} cpu {self._cpu_ms:.3f} ms>"
@@ -215,7 +200,7 @@ class Timing:
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         # Displaying a reading in IPython is reading it: wait for the end event.
-        if self._cpu_ms is not None:
+        if self._state == 2:
             self.ms
         p.text(repr(self))
 
@@ -241,8 +226,9 @@ class _Series:
         self._cpu.append(rec._cpu_ms)
         if rec._device not in self._devices:
             self._devices.add(rec._device)
-        if rec._ms is not None:
-            self._done.append(rec._ms)
+        ms = rec._ms
+        if ms == ms:                                  # known already (CPU clock)
+            self._done.append(ms)
             return
         self._pending.append(rec)
         if len(self._pending) >= self._collect_at:
@@ -292,72 +278,59 @@ class _Series:
 
 # ---- the timer ---------------------------------------------------------------------------------
 
-class Timer:
+class Timer(_C.TimerBase):
     """A context manager and a decorator; each use is a fresh measurement (a `Timing`).
 
-    Use `timer(...)` to make one. Nested and recursive uses of one Timer are fine: every use has
-    its own record. One Timer object used as a context manager from several threads at once is
-    not (the decorator form is): give each thread its own `timer(name)`; they share the name's
-    statistics.
+    Use `timer(...)` to make one. `__enter__`/`__exit__` are C (TimerBase): a use costs two
+    cuEventRecord calls and a record; names, series and logging run here, in `_before`/`_after`,
+    only for timers that have them. Nested and recursive uses of one Timer are fine: every use
+    has its own record. One Timer object used as a context manager from several threads at once
+    is not (the decorator form is): give each thread its own `timer(name)`; they share the
+    name's statistics.
     """
-    __slots__ = ("name", "last", "_device", "_series", "_open", "_log", "_step")
+    __slots__ = ()
 
     def __init__(self, name: str | None = None, device: Any = None, log: Logger | None = None,
                  step: int | None = None):
+        if name is not None or device is not None or log is not None or step is not None:
+            self._setup(name, device, log, step)
+
+    def _setup(self, name: str | None, device: Any, log: Logger | None, step: int | None) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"timer name must be a str, got {type(name).__name__}")
         if log is not None and name is None:
             raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
         if step is not None and log is None:
             raise ValueError("timer(step=...) only applies with log=")
-        self.name = name
-        self.last: Timing | None = None
-        self._device = _parse_device(device)
-        # An unnamed timer starts its series at its second use: `with timer() as t` pays for
-        # one record only.
-        self._series = timers._series_for(name) if name is not None else None
-        self._open: list[Timing] = []
         if log is not None:
             if not isinstance(log, Logger):
                 raise TypeError(f"timer(log=...) takes a syncless.Logger, got "
                                 f"{type(log).__name__}")
             if log.closed:
                 raise ValueError("timer(log=...): this Logger is closed")
+        parsed = _parse_device(device)
+        self._mode = _AUTO if parsed is None else parsed
+        self.name = name
+        # An unnamed timer starts its series at its second use: `with timer() as t` pays for
+        # one record only.
+        self._series = timers._series_for(name) if name is not None else None
         self._log = log
         self._step = step
+        self._hooks = (_AFTER if name is not None else 0) | (_BEFORE if log is not None else 0)
 
-    # -- the hot path: enter + exit is two cuEventRecord calls and about twenty lines of Python
+    # -- called by TimerBase (C) around a use, for timers with a name, a log, or a second use
 
-    def _begin(self) -> Timing:
-        device = self._device
-        if device is None:
-            device = _auto_device()
-        elif device == _CUDA_CURRENT:
-            device = torch.cuda.current_device()
-        rec = Timing(self.name, device)
-        if self._log is not None:
-            rec._step0 = self._log.last_step
-        if device >= 0:
-            pair = _C.EventPair(device)
-            pair.start()                    # raises, touching nothing, under graph capture
-            rec._pair = pair
-        rec._t0 = perf_counter()
-        return rec
+    def _before(self, rec: Timing) -> None:
+        rec._step0 = self._log.last_step
 
-    def _end(self, rec: Timing) -> None:
-        cpu_ms = (perf_counter() - rec._t0) * 1e3
-        if rec._pair is not None:
-            rec._pair.stop()
-        else:
-            rec._ms = cpu_ms
-        rec._cpu_ms = cpu_ms
+    def _after(self, rec: Timing) -> None:
         series = self._series
-        if series is None and self.last is not None:
+        if series is None:                   # an unnamed timer's second use
             series = self._series = _Series(None)
-            series.add(self.last)
-        if series is not None:
-            series.add(rec)
-        self.last = rec
+            if self.last is not None:
+                series.add(self.last)
+            self._hooks |= _AFTER
+        series.add(rec)
         log = self._log
         if log is not None and not log.closed:
             step = self._step
@@ -369,14 +342,6 @@ class Timer:
             # Read on the delivery thread, which may wait for the end event there.
             log.attach(self.name, _reader(rec), step)
 
-    def __enter__(self) -> Timing:
-        rec = self._begin()
-        self._open.append(rec)
-        return rec
-
-    def __exit__(self, *exc: Any) -> None:
-        self._end(self._open.pop())
-
     def __call__(self, fn: Callable) -> Callable:
         """Decorate fn: every call is timed. An unnamed timer takes the function's name."""
         if not callable(fn):
@@ -384,15 +349,16 @@ class Timer:
         if self.name is None:
             self.name = getattr(fn, "__qualname__", None) or repr(fn)
             self._series = timers._series_for(self.name)
-        begin, end = self._begin, self._end
+            self._hooks |= _AFTER
+        enter, leave = self.__enter__, self.__exit__
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            rec = begin()
+            enter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                end(rec)
+                leave(None, None, None)
 
         timed.timer = self
         return timed
@@ -470,7 +436,23 @@ def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger
     """
     if callable(name):
         return Timer()(name)
-    return Timer(name, device, log, step)          # positional: a third faster than keywords
+    if name is None and device is None and log is None and step is None:
+        return _new_timer(Timer)                   # the common `with timer() as t`: no __init__
+    return Timer(name, device, log, step)
+
+
+_new_timer = Timer.__new__
+
+
+def _choose_device(mode: int) -> int:
+    """TimerBase asks this when no current CUDA context names the device (mode: auto/cuda)."""
+    if mode == _CUDA_CURRENT:
+        return torch.cuda.current_device()
+    return _auto_device()
+
+
+_C.bind_timer(Timing, _choose_device)
+os.register_at_fork(after_in_child=_C.forget_cuda)
 
 
 # ---- the named-timer registry ------------------------------------------------------------------
