@@ -561,13 +561,20 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.join(base, "python", "syncless")):
             p.error(f"--baseline {a.baseline}: no python/syncless in it (a checkout, built in place)")
         trees = {"baseline": base, "current": ROOT}
-        ab = compare(trees, str(device), a.quick, ks or KS, a.rounds or (10 if a.quick else 40),
-                     a.epochs or (1 if a.quick else 2), random.Random(a.seed + 7))
-        ab["trees"] = {"baseline": {"dir": base, "label": a.baseline_label or
-                                    os.path.basename(base.rstrip(os.sep))},
-                       "current": {"dir": ROOT, "label": a.current_label}}
-        ab["rows"] = ab_rows(ab)
-        res["ab"] = ab
+        try:
+            ab = compare(trees, str(device), a.quick, ks or KS,
+                         a.rounds or (10 if a.quick else 40), a.epochs or (1 if a.quick else 2),
+                         random.Random(a.seed + 7))
+        except Exception as exc:                  # the table below still runs
+            res["ab_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"  ! A/B failed: {res['ab_error']}", flush=True)
+        else:
+            ab["trees"] = {"baseline": {"dir": base, "label": a.baseline_label or
+                                        os.path.basename(base.rstrip(os.sep))},
+                           "current": {"dir": ROOT, "label": a.current_label}}
+            ab["rows"] = ab_rows(ab)
+            res["ab"] = ab
+            write_results(a.out, a.name, res, ab_markdown(res))   # kept if the table fails
         print(f"  A/B: {time.perf_counter() - t0:.1f} s", flush=True)
     if a.table_rounds != 0:
         res["per_call"] = run(ctx, a.table_rounds, ks)
