@@ -19,6 +19,7 @@ import re
 import shlex
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -161,6 +162,21 @@ def calls_for(fn: Callable[[], Any], target_s: float, sync: Callable[[], None],
 
 
 # ---- environment ---------------------------------------------------------------------------------
+
+def syncs_per_call(fn: Callable[[], Any], calls: int) -> float:
+    """Host-device syncs per call of `fn` that torch's sync-debug mode reports over `calls` calls.
+    The mode misses torch.cuda.synchronize() and Event.synchronize(); its own "prototype
+    feature" notice is not a sync, so only the sync text is counted."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing cuda operation" in str(w.message).lower() for w in seen) / calls
+
 
 def _nvidia_smi(field_: str) -> str | None:
     try:
