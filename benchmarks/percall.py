@@ -456,8 +456,9 @@ def compare(trees: dict, device: str, quick: bool, ks: tuple, rounds: int, epoch
                 rng.shuffle(order)
                 for t in (labels if r % 2 == 0 else labels[::-1]):
                     for name, v in workers[t].ask(order).items():
-                        if isinstance(v, str):
+                        if isinstance(v, str):           # dropped from here on, for both
                             errors.setdefault(name, {})[t] = v
+                            names = [x for x in names if x != name]
                         else:
                             times[t].setdefault(name, []).append(v)
             done += n
