@@ -189,6 +189,20 @@ def _nvidia_smi(field_: str) -> str | None:
     return None
 
 
+def _git_head() -> str | None:
+    """This checkout's commit; None where it is not a checkout of its own (a copied tree inside
+    another repository would otherwise report that repository's commit)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "--short",
+                              "HEAD"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if len(out) == 2 and os.path.realpath(out[0]) == os.path.realpath(root):
+        return out[1]
+    return None
+
+
 def env_info(device: torch.device, argv: list[str], prog: str = "benchmarks.run") -> dict:
     """What a result depends on: versions, host, GPU, driver, and the command that made it."""
     info = {
@@ -206,11 +220,7 @@ def env_info(device: torch.device, argv: list[str], prog: str = "benchmarks.run"
         info["syncless"] = getattr(syncless, "__version__", "?")
     except Exception as exc:
         info["syncless"] = f"import failed: {exc}"
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["git"] = None
+    info["git"] = _git_head()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -341,15 +351,17 @@ def pick_device(name: str | None) -> torch.device:
     return device
 
 
-def write_results(out: str | None, name: str, data: dict, text: str) -> list[str]:
+def write_results(out: str | None, name: str, data: dict, text: str,
+                  echo: bool = True) -> list[str]:
     """Write <out>/<name>.json and <out>/<name>.md (the markdown headed by the environment);
-    print the markdown either way. Returns the paths written."""
+    print the markdown (unless echo=False). Returns the paths written."""
     env = data.get("env", {})
     md = (f"# {name}: {env.get('gpu', '?')} ({env.get('date', '?')})\n\n"
           f"`{env.get('command', '?')}`" + ("  (quick mode: smoke-test sizes, not for quoting)"
                                            if data.get("quick") else "")
           + "\n\n" + env_table(env) + "\n\n" + text.rstrip() + "\n")
-    print("\n" + md, flush=True)
+    if echo:
+        print("\n" + md, flush=True)
     if not out:
         return []
     os.makedirs(out, exist_ok=True)

@@ -18,14 +18,16 @@ module `syncless`), so each build gets a worker process: this file with PYTHONPA
 which checks it imported the build it was given, sets up every method, warms up and waits. Each
 round, the driver sends both workers the same shuffled list of methods, one worker after the
 other, the first alternating between rounds; the idle worker blocks on a pipe, so the GPU and the
-host serve one build at a time. current/baseline is taken per round and per method. Workers are
-replaced every rounds/epochs rounds, so that one process's luck (heap layout, which core it got)
-is not taken for a build's. Rows that do not touch syncless (a bare torch launch, a raw
+host serve one build at a time; both run pinned to the same cores (--cores), so neither gets the
+better core or memory node. current/baseline is taken per round and per method. Workers are
+replaced every rounds/epochs rounds, so that one process's luck (heap layout, say) is not taken
+for a build's. Rows that do not touch syncless (a bare torch launch, a raw
 torch.cuda.Event pair, perf_counter) are controls: their ratio should include 1. Then the full
 method table (every peer) is measured in this process, on the current tree.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -276,6 +278,10 @@ class Bench:
             except Exception as exc:
                 self.errors[name] = f"{type(exc).__name__}: {exc}"
                 del self.blocks[name]
+        # What exists now lives as long as the benchmark: out of the collector's sight, so the
+        # gc.collect() before each watch() block costs milliseconds, not a heap walk.
+        gc.collect()
+        gc.freeze()
 
     def close(self) -> None:
         for close in reversed(self._close):
@@ -303,7 +309,7 @@ def summarize_samples(times: dict) -> dict:
 
 def run(ctx: Ctx, rounds: int | None = None, ks: tuple | None = None) -> dict:
     """The whole table in this process (benchmarks.run's per_call section)."""
-    rounds = rounds or (3 if ctx.quick else 15)
+    rounds = rounds or (3 if ctx.quick else 10)
     ks = ks or ((1, 4) if ctx.quick and not ctx.cuda else KS)
     bench = Bench(ctx, ks)
     try:
@@ -367,9 +373,11 @@ def headline(res: dict) -> list[list[str]]:
 # ---- two builds in one run -----------------------------------------------------------------
 
 def _worker(argv: list[str]) -> int:
-    """`percall.py --worker TREE DEVICE QUICK KS`: set up, say ready, then run passes on request."""
+    """`percall.py --worker TREE DEVICE QUICK KS CORES`: set up, say ready, then run passes."""
     tree, device, quick = argv[0], argv[1], argv[2] == "1"
     ks = tuple(int(k) for k in argv[3].split(","))
+    if argv[4]:                          # before any thread starts: they inherit the set
+        os.sched_setaffinity(0, {int(c) for c in argv[4].split(",")})
     wire = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                                      # whatever else prints goes to stderr
     import syncless
@@ -382,7 +390,7 @@ def _worker(argv: list[str]) -> int:
     bench = Bench(ctx, ks, peers=False)
     bench.warm()
     wire.write(json.dumps({"ready": sorted(bench.blocks), "errors": bench.errors,
-                           "syncless": where}) + "\n")
+                           "syncless": where, "cores": sorted(os.sched_getaffinity(0))}) + "\n")
     for line in sys.stdin:
         names = json.loads(line)
         if names is None:
@@ -399,12 +407,12 @@ def _worker(argv: list[str]) -> int:
 
 
 class Worker:
-    def __init__(self, tree: str, device: str, quick: bool, ks: tuple):
+    def __init__(self, tree: str, device: str, quick: bool, ks: tuple, cores: str):
         env = dict(os.environ, NCCL_NVLS_ENABLE="0", WANDB_SILENT="true",
                    PYTHONPATH=os.pathsep.join([os.path.join(tree, "python"), ROOT]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.percall", "--worker", tree, device,
-             "1" if quick else "0", ",".join(map(str, ks))], cwd=ROOT, env=env, text=True,
+             "1" if quick else "0", ",".join(map(str, ks)), cores], cwd=ROOT, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def read(self) -> dict:
@@ -433,7 +441,7 @@ class Worker:
 
 
 def compare(trees: dict, device: str, quick: bool, ks: tuple, rounds: int, epochs: int,
-            rng: random.Random) -> dict:
+            rng: random.Random, cores: str = "") -> dict:
     """Interleaved rounds of the same methods on two builds; see the module docstring."""
     labels = list(trees)
     times = {t: {} for t in labels}
@@ -441,7 +449,7 @@ def compare(trees: dict, device: str, quick: bool, ks: tuple, rounds: int, epoch
     epochs = max(1, min(epochs, rounds))
     done = 0
     for epoch in range(epochs):
-        workers = {t: Worker(trees[t], device, quick, ks) for t in labels}   # start in parallel
+        workers = {t: Worker(trees[t], device, quick, ks, cores) for t in labels}   # start in parallel
         try:
             ready = {t: w.read() for t, w in workers.items()}
             for t, msg in ready.items():
@@ -466,7 +474,9 @@ def compare(trees: dict, device: str, quick: bool, ks: tuple, rounds: int, epoch
             for w in workers.values():
                 w.close()
     return {"times": times, "errors": errors, "rounds": done, "epochs": epochs, "device": device,
-            "syncless": {t: ready[t]["syncless"] for t in labels}}
+            "cores": cores,
+            "syncless": {t: ready[t]["syncless"] for t in labels},
+            "worker_cores": {t: ready[t]["cores"] for t in labels}}
 
 
 def ab_rows(ab: dict, base: str = "baseline", cur: str = "current") -> dict:
@@ -522,7 +532,7 @@ def ab_markdown(res: dict) -> str:
     b, c = ab["trees"]["baseline"], ab["trees"]["current"]
     text = (f"**Two builds in one run**: baseline `{b['label']}` ({b['dir']}) against current "
             f"`{c['label']}`, {ab['rounds']} interleaved rounds in {ab['epochs']} pairs of "
-            "worker processes. µs per call (per step for watch()), median [IQR]; current/"
+            f"worker processes, both on cores {ab.get('cores') or 'unpinned'}. µs per call (per step for watch()), median [IQR]; current/"
             "baseline is the median per-round ratio with its 95% CI. Published: the README's "
             "numbers of 2026-11-30 (another run).\n\n"
             + md_table(["measurement", "published", f"baseline {b['label']}",
@@ -534,6 +544,15 @@ def ab_markdown(res: dict) -> str:
     return text
 
 
+def _cores(spec: str) -> str:
+    if spec == "all":
+        return ""
+    if "," in spec:
+        return spec
+    mine = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, mine[:max(1, int(spec))]))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -543,11 +562,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-label", help="what to call it (default: the folder's name)")
     p.add_argument("--current-label", default="this tree")
     p.add_argument("--epochs", type=int, default=None,
-                   help="pairs of worker processes over the A/B rounds (default 2; 1 in --quick)")
+                   help="pairs of worker processes over the A/B rounds (default 3; 1 in --quick)")
     p.add_argument("--table-rounds", type=int, default=None,
-                   help="rounds of the full method table in this process (default 15; 3 quick; "
+                   help="rounds of the full method table in this process (default 10; 3 quick; "
                         "0: no table)")
     p.add_argument("--ks", default=None, help="comma-separated K values (default 1,4,16,64)")
+    p.add_argument("--cores", default="4",
+                   help="both workers run on the same N cores (the first N this process may "
+                        "use; default 4), or on the cores listed (e.g. 0,1); 'all': unpinned")
     p.add_argument("--name", default="percall", help="results file stem (default percall)")
     a = p.parse_args(argv)
     device = pick_device(a.device)
@@ -564,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"baseline": base, "current": ROOT}
         try:
             ab = compare(trees, str(device), a.quick, ks or KS,
-                         a.rounds or (10 if a.quick else 40), a.epochs or (1 if a.quick else 2),
-                         random.Random(a.seed + 7))
+                         a.rounds or (10 if a.quick else 42), a.epochs or (1 if a.quick else 3),
+                         random.Random(a.seed + 7), _cores(a.cores))
         except Exception as exc:                  # the table below still runs
             res["ab_error"] = f"{type(exc).__name__}: {exc}"
             print(f"  ! A/B failed: {res['ab_error']}", flush=True)
@@ -575,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                            "current": {"dir": ROOT, "label": a.current_label}}
             ab["rows"] = ab_rows(ab)
             res["ab"] = ab
-            write_results(a.out, a.name, res, ab_markdown(res))   # kept if the table fails
+            write_results(a.out, a.name, res, ab_markdown(res), echo=False)  # if the table fails
         print(f"  A/B: {time.perf_counter() - t0:.1f} s", flush=True)
     if a.table_rounds != 0:
         res["per_call"] = run(ctx, a.table_rounds, ks)
