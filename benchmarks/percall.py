@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,9 +98,10 @@ def label(name: str) -> str:
 class Bench:
     """Every method as a no-argument block that returns µs per call (per step for watch())."""
 
-    def __init__(self, ctx: Ctx, ks=KS, peers: bool = True, tmp: str | None = None):
-        self.ctx, self.errors, self.blocks, self._close = ctx, {}, {}, []
-        self.tmp = tmp or tempfile.mkdtemp(prefix="syncless-percall-")
+    def __init__(self, ctx: Ctx, ks=KS, peers: bool = True):
+        self.ctx, self.errors, self.blocks = ctx, {}, {}
+        self.tmp = tempfile.mkdtemp(prefix="syncless-percall-")
+        self._close = [lambda: shutil.rmtree(self.tmp, ignore_errors=True)]
         self.target_s = 0.001 if ctx.quick else 0.003
         self.watch_steps = 400 if ctx.quick else 2000
         self._wandb = None
@@ -185,18 +187,15 @@ class Bench:
         self._add(f"tb_native@{k}", tb_native, None)
         self._add(f"syncless_tb@{k}", syncless_tb, None)
 
-        def wandb_native():
+        def wandb(native: bool):
             if self._wandb is None:
                 raise RuntimeError(self._wandb_error)
-            return lambda: self._wandb.log({n: v.item() for n, v in metrics.items()})
-
-        def syncless_wandb():
-            if self._wandb is None:
-                raise RuntimeError(self._wandb_error)
+            if native:
+                return lambda: self._wandb.log({n: v.item() for n, v in metrics.items()})
             from syncless import wandb as swb
             return lambda: swb.log(metrics)
-        self._add(f"wandb_native@{k}", wandb_native, None)
-        self._add(f"syncless_wandb@{k}", syncless_wandb, None)
+        self._add(f"wandb_native@{k}", lambda: wandb(True), None)
+        self._add(f"syncless_wandb@{k}", lambda: wandb(False), None)
 
     def _start_wandb(self) -> None:
         """One offline run for both wandb methods: syncless.wandb.init returns the real run (two
@@ -284,6 +283,7 @@ class Bench:
         gc.freeze()
 
     def close(self) -> None:
+        gc.unfreeze()
         for close in reversed(self._close):
             try:
                 close()

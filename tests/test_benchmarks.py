@@ -144,6 +144,7 @@ def test_percall_compares_two_builds_on_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.percall", "--quick", "--device", "cpu", "--ks", "1",
          "--rounds", "6", "--table-rounds", "0", "--baseline", ROOT, "--baseline-label", "same",
+         "--cores", "1",
          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "percall.json").read_text())
@@ -151,6 +152,8 @@ def test_percall_compares_two_builds_on_cpu(tmp_path):
     assert ab["rounds"] == 6 and ab["epochs"] == 1
     tree = os.path.join(ROOT, "python", "syncless")
     assert all(os.path.dirname(p) == tree for p in ab["syncless"].values())
+    first = [min(os.sched_getaffinity(0))]                   # both pinned to the same core
+    assert ab["worker_cores"] == {"baseline": first, "current": first}
     for build in ("baseline", "current"):
         for name in ("syncless@1", "floor@1", "timer", "watch/bare", "watch/watch"):
             assert len(ab["times"][build][name]) == 6, (build, name)
