@@ -206,7 +206,7 @@ def test_quick_suite_runs_every_section_on_gpu(tmp_path):
     assert syncs["syncless"] == 0
     assert syncs["item_where"] >= 4 and syncs["item1"] >= 1
     assert sec["per_call"]["results"]["4"]["syncless"]["us"]["median"] > 0
-    assert sec["per_call"]["timers"]["raw_pair"]["median"] > 0
+    assert sec["per_call"]["timers"]["timer"]["median"] > 0
     assert sec["per_call"]["ratios"]["timer/event_pair"]["median"] > 0
     assert sec["per_call"]["added"]["watch every step"]["n"] == 3
     w = sec["timing"]["workloads"]["matmul 8192² bf16"]
