@@ -329,9 +329,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def arg_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
     """The options every standalone benchmark takes; a script adds its own."""
-    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(doc.strip().splitlines()[1:]))
+    first, _, rest = doc.strip().partition("\n\n")
+    p = argparse.ArgumentParser(description=" ".join(first.split()), epilog=rest,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--quick", action="store_true", help="smoke-test sizes: seconds, not minutes")
     p.add_argument("--rounds", type=int, default=None,

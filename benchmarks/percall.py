@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return _worker(argv[1:])
-    p = arg_parser(__doc__, rounds=40)
+    p = arg_parser(__doc__, rounds=42)
     p.add_argument("--baseline", help="another checkout of syncless, built in place")
     p.add_argument("--baseline-label", help="what to call it (default: the folder's name)")
     p.add_argument("--current-label", default="this tree")
