@@ -1,7 +1,14 @@
-"""Shared helpers: the run context, interleaved rounds, medians and spread, environment facts,
-and the JSON / markdown writers. No benchmark logic lives here."""
+"""The harness every benchmark shares: the run context, timed blocks, interleaved rounds, medians
+with their spread and the 95% confidence interval of a median ratio, the environment record, and
+the JSON + markdown writer. No benchmark logic lives here.
+
+A standalone script is `python -m benchmarks.<name> [--device cpu|cuda] [--quick] [--out DIR]`:
+it parses with `arg_parser()`, records `env_info()`, and ends with `write_results()`, which puts
+<out>/<name>.json (the numbers and the environment) and <out>/<name>.md (the same, for people)
+side by side."""
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -12,6 +19,7 @@ import re
 import shlex
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -120,11 +128,55 @@ def interleave(variants: dict[str, Callable[[], float]], rounds: int, rng: rando
     return out
 
 
+def ratio_summary(values: dict, name: str, base: str) -> dict:
+    """The per-round ratio name/base: median [IQR] and the 95% CI of the median ("ci95")."""
+    ratios = paired_ratios(values, name, base)
+    out = summarize(ratios)
+    out["ci95"] = median_ci(ratios)
+    return out
+
+
 def clock() -> float:
     return time.perf_counter()
 
 
+def block_us(fn: Callable[[], Any], n: int, sync: Callable[[], None]) -> float:
+    """Host µs per call of `fn` over n calls. The device is idle at the start (synchronize before
+    the clock) and the clock stops before the closing synchronize: the number is what the call
+    costs the host, not the GPU work it queues (a call that reads a value pays its sync inside)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) / n * 1e6
+
+
+def calls_for(fn: Callable[[], Any], target_s: float, sync: Callable[[], None],
+              lo: int = 3, hi: int = 2000) -> int:
+    """How many calls of `fn` fill about target_s seconds (runs it four times: warm-up and probe)."""
+    fn()
+    per = max(block_us(fn, 3, sync) * 1e-6, 1e-7)
+    return max(lo, min(hi, round(target_s / per)))
+
+
 # ---- environment ---------------------------------------------------------------------------------
+
+def syncs_per_call(fn: Callable[[], Any], calls: int) -> float:
+    """Host-device syncs per call of `fn` that torch's sync-debug mode reports over `calls` calls.
+    The mode misses torch.cuda.synchronize() and Event.synchronize(); its own "prototype
+    feature" notice is not a sync, so only the sync text is counted."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing cuda operation" in str(w.message).lower() for w in seen) / calls
+
 
 def _nvidia_smi(field_: str) -> str | None:
     try:
@@ -137,11 +189,26 @@ def _nvidia_smi(field_: str) -> str | None:
     return None
 
 
-def env_info(device: torch.device, argv: list[str]) -> dict:
+def _git_head() -> str | None:
+    """This checkout's commit; None where it is not a checkout of its own (a copied tree inside
+    another repository would otherwise report that repository's commit)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel", "--short",
+                              "HEAD"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if len(out) == 2 and os.path.realpath(out[0]) == os.path.realpath(root):
+        return out[1]
+    return None
+
+
+def env_info(device: torch.device, argv: list[str], prog: str = "benchmarks.run") -> dict:
+    """What a result depends on: versions, host, GPU, driver, and the command that made it."""
     info = {
         "date": _dt.date.today().isoformat(),
         "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": " ".join(shlex.quote(a) for a in ["python", "-m", "benchmarks.run", *argv]),
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", prog, *argv]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
@@ -153,11 +220,7 @@ def env_info(device: torch.device, argv: list[str]) -> dict:
         info["syncless"] = getattr(syncless, "__version__", "?")
     except Exception as exc:
         info["syncless"] = f"import failed: {exc}"
-    try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["git"] = None
+    info["git"] = _git_head()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -174,6 +237,14 @@ def env_info(device: torch.device, argv: list[str]) -> dict:
         info["gpu"] = "cpu"
         info["cpu"] = platform.processor() or platform.machine()
     return info
+
+
+ENV_KEYS = ("gpu", "driver", "driver_cuda_api", "cuda_runtime", "torch", "python", "syncless",
+            "git", "cpu_count", "platform")
+
+
+def env_table(env: dict) -> str:
+    return md_table(["", ""], [[k, env[k]] for k in ENV_KEYS if env.get(k) is not None])
 
 
 def slug(text: str) -> str:
@@ -249,3 +320,54 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(clean(data), f, indent=1, allow_nan=False)
         f.write("\n")
+
+
+# ---- standalone scripts --------------------------------------------------------------------------
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def arg_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The options every standalone benchmark takes; a script adds its own."""
+    first, _, rest = doc.strip().partition("\n\n")
+    p = argparse.ArgumentParser(description=" ".join(first.split()), epilog=rest,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--quick", action="store_true", help="smoke-test sizes: seconds, not minutes")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"interleaved rounds (default {rounds}; fewer with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", nargs="?", const=RESULTS, default=None,
+                   help="directory for <name>.json and <name>.md (bare --out: benchmarks/results)")
+    return p
+
+
+def pick_device(name: str | None) -> torch.device:
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def write_results(out: str | None, name: str, data: dict, text: str,
+                  echo: bool = True) -> list[str]:
+    """Write <out>/<name>.json and <out>/<name>.md (the markdown headed by the environment);
+    print the markdown (unless echo=False). Returns the paths written."""
+    env = data.get("env", {})
+    md = (f"# {name}: {env.get('gpu', '?')} ({env.get('date', '?')})\n\n"
+          f"`{env.get('command', '?')}`" + ("  (quick mode: smoke-test sizes, not for quoting)"
+                                           if data.get("quick") else "")
+          + "\n\n" + env_table(env) + "\n\n" + text.rstrip() + "\n")
+    if echo:
+        print("\n" + md, flush=True)
+    if not out:
+        return []
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, f"{name}.json"), os.path.join(out, f"{name}.md")]
+    write_json(paths[0], data)
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write(md)
+    print("wrote " + ", ".join(paths), flush=True)
+    return paths

@@ -4,7 +4,8 @@
     python -m benchmarks.run --quick              # smoke test, < 60 s (files get a -quick suffix)
     python -m benchmarks.run --only logging,timing
 
-Sections: logging (the anti-pattern in a training step), per_call (cost of one logging call),
+Sections: logging (the anti-pattern in a training step), per_call (cost of one logging call,
+the timer and watch(): benchmarks/percall.py, which also compares two builds),
 timing (timing pitfalls), dataloader (starvation), launch (eager vs CUDA graphs vs compile).
 A section that fails is recorded with its error; the others still run.
 """
@@ -23,13 +24,13 @@ if __package__ in (None, ""):              # run as a script: python benchmarks/
     import benchmarks  # noqa: F401
     __package__ = "benchmarks"
 
-from . import suite_dataloader, suite_launch, suite_logging, suite_percall, suite_timing
-from ._common import Ctx, env_info, md_table, seed_all, slug, write_json
+from . import percall, suite_dataloader, suite_launch, suite_logging, suite_timing
+from ._common import Ctx, env_info, env_table, md_table, seed_all, slug, write_json
 from .plots import make_plots
 
 SECTIONS = {
     "logging": (suite_logging, "1. The logging anti-pattern in a training step"),
-    "per_call": (suite_percall, "2. Cost of one logging call"),
+    "per_call": (percall, "2. Cost of one logging call"),
     "timing": (suite_timing, "3. Timing pitfalls"),
     "dataloader": (suite_dataloader, "4. DataLoader starvation"),
     "launch": (suite_launch, "5. Launch overhead"),
@@ -54,9 +55,7 @@ def markdown(results: dict, plots: list[str]) -> str:
     lines = [f"# syncless benchmarks: {env.get('gpu')} ({env['date']})", "",
              f"`{env['command']}`" + ("  (quick mode: smoke-test sizes, not for quoting)"
                                      if results["quick"] else ""), ""]
-    keys = ["gpu", "driver", "driver_cuda_api", "cuda_runtime", "torch", "python", "syncless",
-            "git", "cpu_count", "platform"]
-    lines += [md_table(["", ""], [[k, env[k]] for k in keys if env.get(k) is not None]), ""]
+    lines += [env_table(env), ""]
     lines += ["## Headline", "", results["headline"], ""]
     for key, (mod, title) in SECTIONS.items():
         res = results["sections"].get(key)

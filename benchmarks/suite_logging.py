@@ -25,15 +25,14 @@ import math
 import os
 import random
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._common import (Ctx, beyond_spread, clock, interleave, md_table, median_ci, num, num_spread,
-                      paired_ratios, pct, pct_ci, pct_spread, seed_all, summarize)
+from ._common import (Ctx, beyond_spread, clock, interleave, md_table, num, num_spread, pct,
+                      pct_ci, pct_spread, ratio_summary, seed_all, summarize, syncs_per_call)
 
 EVERY = 20      # the pure-PyTorch ring and the syncless Logger both hand rows over every 20 steps
 
@@ -244,22 +243,14 @@ def probe(ctx: Ctx, wl: Workload, reps: int) -> dict:
 
 
 def count_syncs(ctx: Ctx, wl: Workload, variant: str, steps: int) -> float | None:
-    """Syncs per step seen by torch's sync-debug mode over `steps` steps (one full ring window).
-    This mode misses torch.cuda.synchronize() and Event.synchronize(); none are used here."""
+    """Syncs per step seen by torch's sync-debug mode over `steps` steps (one full ring window)."""
     if not ctx.cuda:
         return None
     wl.step(variant)
     ctx.sync()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                wl.step(variant)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    n = syncs_per_call(lambda: wl.step(variant), steps)
     ctx.sync()
-    return sum("synchroniz" in str(w.message).lower() for w in seen) / steps
+    return n
 
 
 def gpu_busy_ms(ctx: Ctx, wl: Workload, variant: str, steps: int) -> float | None:
@@ -367,9 +358,7 @@ def run_regime(ctx: Ctx, name: str, cfg: Config, tmp: str, rng: random.Random,
                                                      for k, x in st.items()},
                    "steps_per_s": 1.0 / st["median"]}
             if v != BASE and times.get(BASE):
-                ratios = paired_ratios(times, v, BASE)
-                r = summarize(ratios)
-                r["ci95"] = median_ci(ratios)
+                r = ratio_summary(times, v, BASE)
                 rec["slowdown"] = r
                 rec["beyond_spread"] = beyond_spread(r)
             rec["syncs_per_step"] = syncs.get(v)

@@ -1,5 +1,6 @@
-"""The benchmark suite: its statistics and report helpers (CPU), a fast end-to-end run of the
-plumbing (CPU), and the `--quick` smoke test of every section on a GPU."""
+"""The benchmark harness: its statistics and report helpers (CPU), a fast end-to-end run of the
+suite's plumbing and of the two-build comparison (CPU), and the `--quick` smoke test of every
+section on a GPU."""
 import json
 import math
 import os
@@ -9,9 +10,10 @@ import sys
 
 import pytest
 
-from benchmarks._common import (beyond_spread, clean, interleave, md_table, median_ci,
-                                paired_ratios, pct_ci, pct_spread, quantile, summarize,
-                                write_json)
+from benchmarks import percall
+from benchmarks._common import (beyond_spread, block_us, clean, interleave, md_table, median_ci,
+                                paired_ratios, pct_ci, pct_spread, quantile, ratio_summary,
+                                summarize, write_json, write_results)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +89,87 @@ def test_md_table_and_json_are_well_formed(tmp_path):
     assert json.loads(path.read_text()) == {"v": None, "w": [1.5]}
 
 
+def test_block_us_times_n_calls_between_two_syncs():
+    events = []
+    us = block_us(lambda: events.append("call"), 5, lambda: events.append("sync"))
+    assert events == ["sync"] + ["call"] * 5 + ["sync"]
+    assert us > 0
+
+
+def test_ratio_summary_carries_the_ci_of_the_median_ratio():
+    times = {"base": [float(i) for i in range(1, 31)], "new": [1.5 * i for i in range(1, 31)]}
+    r = ratio_summary(times, "new", "base")
+    assert r["median"] == pytest.approx(1.5) and r["n"] == 30
+    assert r["ci95"] == pytest.approx((1.5, 1.5))
+
+
+def test_write_results_puts_json_and_markdown_side_by_side(tmp_path):
+    data = {"env": {"gpu": "cpu", "date": "2026-12-01", "command": "python -m benchmarks.x",
+                    "torch": "2.13"}, "quick": True, "v": float("nan")}
+    paths = write_results(str(tmp_path), "x", data, "| a |\n")
+    assert [os.path.basename(p) for p in paths] == ["x.json", "x.md"]
+    assert json.loads((tmp_path / "x.json").read_text())["v"] is None
+    md = (tmp_path / "x.md").read_text()
+    assert md.startswith("# x: cpu (2026-12-01)") and "quick mode" in md and "| torch | 2.13" in md
+    assert md.rstrip().endswith("| a |")
+
+
+def test_ab_rows_pair_builds_by_round_and_subtract_the_bare_loop():
+    base = {"syncless@4": [5.0, 6.0, 5.0, 7.0, 5.0, 6.0], "watch/bare": [10.0] * 6,
+            "watch/watch": [12.0, 12.0, 13.0, 12.0, 12.0, 12.0], "timer": [4.0] * 6,
+            "event_pair": [2.0] * 6}
+    cur = {"syncless@4": [x * 0.8 for x in base["syncless@4"]], "watch/bare": [11.0] * 6,
+           "watch/watch": [12.0] * 6, "timer": [3.0] * 6, "event_pair": [2.0] * 6}
+    rows = percall.ab_rows({"times": {"baseline": base, "current": cur}, "device": "cuda:0"})
+    assert rows["syncless@4"]["ratio"]["median"] == pytest.approx(0.8)
+    assert rows["syncless@4"]["ratio"]["ci95"] == pytest.approx((0.8, 0.8))
+    assert rows["syncless@4"]["published"] == 4.93
+    # watch() adds 2 µs/step on the baseline and 1 µs on the current build, per round
+    assert rows["added/watch"]["baseline"]["median"] == 2.0
+    assert rows["added/watch"]["current"]["median"] == 1.0
+    assert rows["added/watch"]["ratio"]["median"] == 0.5
+    assert rows["timer/event_pair"]["current"]["median"] == 1.5
+    assert rows["timer/event_pair"]["baseline"]["median"] == 2.0
+    text = percall.ab_markdown({"ab": {
+        "rows": rows, "rounds": 6, "epochs": 1, "errors": {"raw_pair": {"baseline": "gone"}},
+        "trees": {"baseline": {"dir": "/b", "label": "a6bb48f"},
+                  "current": {"dir": "/c", "label": "new"}}}})
+    assert "| syncless log.log(d), K=4" in text and "baseline a6bb48f" in text
+    assert "raw_pair (baseline: gone)" in text
+
+
+def test_percall_compares_two_builds_on_cpu(tmp_path):
+    """The same tree as both builds: the harness logic end to end (workers, alternation, the
+    import check), not a speed claim."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.percall", "--quick", "--device", "cpu", "--ks", "1",
+         "--rounds", "6", "--table-rounds", "0", "--baseline", ROOT, "--baseline-label", "same",
+         "--cores", "1",
+         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "percall.json").read_text())
+    ab = res["ab"]
+    assert ab["rounds"] == 6 and ab["epochs"] == 1
+    tree = os.path.join(ROOT, "python", "syncless")
+    assert all(os.path.dirname(p) == tree for p in ab["syncless"].values())
+    first = [min(os.sched_getaffinity(0))]                   # both pinned to the same core
+    assert ab["worker_cores"] == {"baseline": first, "current": first}
+    for build in ("baseline", "current"):
+        for name in ("syncless@1", "floor@1", "timer", "watch/bare", "watch/watch"):
+            assert len(ab["times"][build][name]) == 6, (build, name)
+    assert ab["rows"]["syncless@1"]["ratio"]["n"] == 6
+    assert ab["rows"]["added/watch"]["current"]["n"] == 6
+    assert ab["errors"]["event_pair"] == {"baseline": "needs CUDA", "current": "needs CUDA"}
+    assert "per_call" not in res
+    assert "| syncless log.log(d), K=1" in (tmp_path / "percall.md").read_text()
+
+
+def test_percall_refuses_a_baseline_that_is_not_a_checkout(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        percall.main(["--device", "cpu", "--baseline", str(tmp_path)])
+    assert "no python/syncless in it" in capsys.readouterr().err
+
+
 def _run_suite(tmp_path, *args, timeout):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--out", str(tmp_path), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -123,6 +206,9 @@ def test_quick_suite_runs_every_section_on_gpu(tmp_path):
     assert syncs["syncless"] == 0
     assert syncs["item_where"] >= 4 and syncs["item1"] >= 1
     assert sec["per_call"]["results"]["4"]["syncless"]["us"]["median"] > 0
+    assert sec["per_call"]["timers"]["timer"]["median"] > 0
+    assert sec["per_call"]["ratios"]["timer/event_pair"]["median"] > 0
+    assert sec["per_call"]["added"]["watch every step"]["n"] == 3
     w = sec["timing"]["workloads"]["matmul 8192² bf16"]
     assert w["host"]["ms"]["median"] < w["events"]["ms"]["median"]
     assert sec["dataloader"]["speedup"]["median"] > 0
