@@ -88,7 +88,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_time.py needs a CUDA GPU")
         return 2
-    res = {"env": env_info(torch.device("cuda"), sys.argv, prog="benchmarks/gpu_time.py"), "gpu_bound": gpu_bound_step_times(args.steps, args.n),
+    res = {"env": env_info(torch.device("cuda"), sys.argv, prog="benchmarks/gpu_time.py"),
+           "gpu_bound": gpu_bound_step_times(args.steps, args.n),
            "launch_bound": launch_bound_lag(args.steps)}
     g, lb = res["gpu_bound"], res["launch_bound"]
     lines = [
