@@ -296,6 +296,193 @@ def test_wandb_sink(device, wandb_env, tmp_path):
     assert all(t0 <= h["item"]["_timestamp"] <= t1 for h in got)
 
 
+# ---- the adapters' shared core: the same rules, the same errors ---------------------------------
+
+def bad_inputs(device):
+    """(what, call(tb_writer), call(wandb_module), error type, TensorBoard's message, W&B's):
+    the same mistake made through each adapter, and the error each must raise at the call."""
+    meta = torch.empty((), device="meta")
+    steps = torch.tensor([1, 2], device=device)
+    return [
+        ("a name that is not UTF-8",
+         lambda w: w.add_scalar("bad\udc80", 1.0, 0), lambda wb: wb.log({"bad\udc80": 1.0}),
+         ValueError, r"tag 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed",
+         r"key 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed"),
+        ("a float step tensor",
+         lambda w: w.add_scalar("loss", 1.0, torch.tensor(1.5, device=device)),
+         lambda wb: wb.log({"loss": 1.0}, step=torch.tensor(1.5, device=device)),
+         TypeError, r"^global_step must be an integer tensor, got torch.float32$",
+         r"^step must be an integer tensor, got torch.float32$"),
+        ("a step tensor of two elements",
+         lambda w: w.add_scalar("loss", 1.0, steps), lambda wb: wb.log({"loss": 1.0}, step=steps),
+         ValueError, r"^global_step must hold one element, got shape \(2,\)$",
+         r"^step must hold one element, got shape \(2,\)$"),
+        ("a meta tensor",
+         lambda w: w.add_scalar("loss", meta, 0), lambda wb: wb.log({"loss": meta}),
+         (TypeError, ValueError), r"^metric 'loss'[: ]", r"^metric 'loss'[: ]"),
+        ("a tensor in a wide call",
+         lambda w: w.add_scalars("wide", {**{f"k{i}": float(i) for i in range(300)}, "k150": meta}),
+         lambda wb: wb.log({**{f"k{i}": torch.tensor(float(i)) for i in range(300)}, "k150": meta}),
+         (TypeError, ValueError), r"^metric 'wide/k150'[: ]", r"^metric 'k150'[: ]"),
+        ("a step that is not an integer",
+         lambda w: w.add_scalar("loss", 1.0, "abc"), lambda wb: wb.log({"loss": 1.0}, step=2.5),
+         TypeError, r"^global_step must be an integer, got str 'abc'$",
+         r"^step must be an integer, got float 2.5$"),
+    ]
+
+
+def test_both_adapters_refuse_bad_input_alike_and_lose_nothing(device, wandb_env, tmp_path):
+    """Every mistake raises at the call, naming the metric or parameter in the same words in
+    both adapters; what was logged before and after each is written exactly."""
+    import wandb
+    import syncless.wandb as swandb
+    from syncless.tensorboard import SummaryWriter
+    v, _ = device_values(device)
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=4,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    with SummaryWriter(tmp_path / "tb", every=4) as w:
+        for i, (what, tb_call, wb_call, error, tb_text, wb_text) in enumerate(bad_inputs(device)):
+            w.add_scalar("loss", v[i], i)
+            swandb.log({"loss": v[i]})
+            with pytest.raises(error, match=tb_text):
+                tb_call(w)
+            with pytest.raises(error, match=wb_text):
+                wb_call(swandb)
+        n = len(bad_inputs(device))
+        w.add_scalar("loss", v[n], n)
+        swandb.log({"loss": v[n]})
+    swandb.finish()
+    assert strip_time(read_tb(tmp_path / "tb")) == {
+        (".", "loss"): [(i, VALUES[i]) for i in range(n + 1)]}
+    assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i)
+                                        for i in range(n + 1)]
+    assert w.errors == 0
+
+
+def test_a_record_refused_at_delivery_is_reported_by_name_and_the_rest_written(
+        device, wandb_env, tmp_path, caplog):
+    """A step tensor whose value is no int64 (a uint64 at its maximum) can only be found once
+    the row is read: both adapters report it once, naming the metric, count it, and write every
+    other record of the window."""
+    import wandb
+    import syncless.wandb as swandb
+    from syncless.tensorboard import SummaryWriter
+    huge = torch.tensor(2**64 - 1, dtype=torch.uint64, device=device)
+    v, steps = device_values(device)
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=8,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    with SummaryWriter(tmp_path / "tb", every=8) as w:
+        for i in range(6):
+            step = huge if i in (2, 4) else steps[i]
+            w.add_scalar("loss", v[i], step)
+            swandb.log({"loss": v[i]}, step=step)
+        assert w.errors == 0 and swandb.errors == 0         # nothing delivered yet
+    swandb.flush()
+    assert w.errors == 2 and swandb.errors == 2
+    swandb.finish()
+    good = [0, 1, 3, 5]
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i]) for i in good]}
+    assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i) for i in good]
+    reports = [r.getMessage() for r in caplog.records if "was not written" in r.getMessage()]
+    assert reports == [                                    # once per metric, in the same words
+        "syncless.tensorboard: add_scalar('loss') was not written: ValueError: global_step "
+        "1.8446744073709552e+19 (from a tensor) is not an int64 (reported once per metric; "
+        "writer.errors counts them; the other records go on)",
+        "syncless.wandb: log({'loss'}) was not written: ValueError: step "
+        "1.8446744073709552e+19 (from a tensor) is not an int64 (reported once per metric; "
+        "syncless.wandb.errors counts them; the other records go on)"]
+
+
+def test_calls_wider_than_one_kernel_launch(device, wandb_env, tmp_path):
+    """More values in one call than the gather kernel takes (MAX_CELLS): the record spans
+    several rows and is replayed whole, with its tensor step and walltime."""
+    import wandb
+    import syncless.wandb as swandb
+    from syncless import _deferred
+    from syncless.tensorboard import SummaryWriter
+    n = _deferred.MAX_CELLS + 2                      # with the step and walltime: 2 cells over
+    values = torch.arange(3 * n, dtype=torch.float64, device=device) / 4
+    _, steps = device_values(device)
+    with SummaryWriter(tmp_path / "tb", every=2) as w:
+        w.add_scalars("wide", {f"k{i}": values[i] for i in range(n)}, steps[7],
+                      walltime=torch.tensor(1234.5, device=device))
+        w.add_scalar("after", values[0], 8)
+    got = read_tb(tmp_path / "tb")
+    assert len(got) == n + 1
+    assert all(got[f"wide_k{i}", "wide"] == [(7, i / 4, 1234.5)] for i in range(n))
+    assert strip_time(got)[".", "after"] == [(8, 0.0)]
+
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=2,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    swandb.log({f"k{i}": values[i] for i in range(3 * n)}, step=steps[3])
+    swandb.log({"after": values[1]}, step=4)
+    swandb.finish()
+    assert untimed(wb_history(run)) == [
+        ({**{f"k{i}": i / 4 for i in range(3 * n)}, "_step": 3}, 3),
+        ({"after": 0.25, "_step": 4}, 4)]
+
+
+def test_every_and_max_delay_are_checked_before_anything_starts(wandb_env, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    from syncless.tensorboard import SummaryWriter
+    for bad in (0, -1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=rf"every must be a positive int, got {bad!r}"):
+            SummaryWriter(tmp_path / "tb", every=bad)
+        with pytest.raises(ValueError, match=rf"every must be a positive int, got {bad!r}"):
+            swandb.init(project="syncless-test", dir=str(tmp_path), every=bad)
+    with pytest.raises(ValueError, match=r"max_delay must be None or a number of seconds >= 0, "
+                                         r"got '2'"):
+        SummaryWriter(tmp_path / "tb", max_delay="2")
+    assert not (tmp_path / "tb").exists() and wandb.run is None    # no writer, no run
+
+
+def _tb_rank_worker(rank, world, tmp):
+    import torch.distributed as dist
+    from syncless.tensorboard import SummaryWriter
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    try:
+        with SummaryWriter(os.path.join(tmp, f"rank{rank}"), every=3) as w:
+            for i in range(5):
+                w.add_scalar("loss", torch.tensor(VALUES[i] + rank), i)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensorboard_writer_on_every_rank_writes_its_own(tmp_path):
+    """Under torch.distributed each rank's writer is its own: rank 1 writes too (the private
+    logger must not keep its sinks to rank 0)."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_tb_rank_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        assert strip_time(read_tb(tmp_path / f"rank{rank}")) == {
+            (".", "loss"): [(i, VALUES[i] + rank) for i in range(5)]}
+
+
+def test_sinks_write_every_record_but_a_refused_one(wandb_env, tmp_path, caplog):
+    """The TensorBoard and W&B sinks: a record the backend refuses (a name that is not UTF-8)
+    costs only itself; the sink raises once per window, naming it, and the logger counts it."""
+    import wandb
+    run = wandb.init(project="syncless-test", dir=str(tmp_path),
+                     settings=wandb.Settings(**WANDB_SETTINGS))
+    with syncless.Logger(every=4, sinks=[sinks.TensorBoard(tmp_path / "tb"),
+                                         sinks.WandB(run)]) as log:
+        for i in range(4):
+            log(loss=VALUES[i], **({"bad\udc80": 1.0} if i == 1 else {}))
+    run.finish()
+    assert log.stats.sink_errors == 2
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i])
+                                                                    for i in range(4)]}
+    assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i) for i in (0, 2, 3)]
+    text = caplog.text
+    assert ("TensorBoard: 1 record(s) of this window were not written, the first: metric "
+            "'bad\\udc80' at step 1: UnicodeEncodeError") in text
+    assert ("WandB: 1 record(s) of this window were not written, the first: metric 'loss', "
+            "'bad\\udc80' at step 1: UnicodeEncodeError") in text
+
+
 # ---- optional backends -----------------------------------------------------------------------
 
 def test_missing_backends_name_the_extra(monkeypatch):

@@ -300,6 +300,29 @@ class Print:
         return "Print()"
 
 
+class _Refused:
+    """The records a backend refused in one window: the others are written first, then one
+    error names the first refused metric, so the logger reports and counts it."""
+
+    def __init__(self, sink: str):
+        self.sink = sink
+        self.count = 0
+        self.first: tuple[str, int, Exception] | None = None
+
+    def add(self, metric: str, step: int, exc: Exception) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = (metric, step, exc)
+
+    def raise_if_any(self) -> None:
+        if self.first is None:
+            return
+        metric, step, exc = self.first
+        raise RuntimeError(f"{self.sink}: {self.count} record(s) of this window were not "
+                           f"written, the first: metric {metric} at step {step}: "
+                           f"{type(exc).__name__}: {exc}; every other record was") from exc
+
+
 def _missing(package: str, extra: str) -> ImportError:
     return ImportError(f"this sink needs {package}: pip install syncless[{extra}]")
 
@@ -323,9 +346,14 @@ class TensorBoard:
 
     def write(self, rows) -> None:
         add = self._add
+        failed = _Refused("TensorBoard")
         for r in rows:
             for name, v in r.values.items():
-                add(name, v, r.step, r.time)
+                try:
+                    add(name, v, r.step, r.time)
+                except Exception as exc:            # one bad scalar never costs the others
+                    failed.add(repr(name), r.step, exc)
+        failed.raise_if_any()
 
     def flush(self) -> None:
         self.writer.flush()
@@ -364,16 +392,20 @@ class WandB:
 
     def write(self, rows) -> None:
         run = self.run
-        step, data = None, {}
+        failed = _Refused("WandB")
+        groups: list[tuple[int, dict]] = []
         for r in rows:
-            if r.step != step and data:
-                run.log(data, step=step)
-                data = {}
-            step = r.step
+            if not groups or groups[-1][0] != r.step:
+                groups.append((r.step, {}))
+            data = groups[-1][1]
             data.update(r.values)
             data["_timestamp"] = r.time
-        if data:
-            run.log(data, step=step)
+        for step, data in groups:
+            try:
+                run.log(data, step=step)
+            except Exception as exc:                # one refused step never costs the others
+                failed.add(", ".join(repr(k) for k in data if k != "_timestamp"), step, exc)
+        failed.raise_if_any()
 
     def __repr__(self) -> str:
         return "WandB()"
