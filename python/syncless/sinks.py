@@ -384,7 +384,7 @@ class WandB:
 
     @property
     def run(self):
-        run = self._run or self._wandb.run
+        run = self._run if self._run is not None else self._wandb.run
         if run is None:
             raise RuntimeError("syncless.sinks.WandB: no W&B run; call wandb.init() first or "
                                "pass run=")
