@@ -441,6 +441,45 @@ def test_calls_wider_than_one_kernel_launch(device, swandb, tmp_path):
         ({"after": 0.25, "_step": 4}, 4)]
 
 
+@pytest.mark.cuda
+def test_adapters_refuse_cuda_graph_capture(swandb, tmp_path):
+    """A replayed graph would append rows no call made and shift every later record onto the
+    wrong values: a call during capture raises, and the writer goes on exactly after it."""
+    from syncless.tensorboard import SummaryWriter
+    x = torch.tensor(VALUES[:4], device="cuda")
+    y = torch.zeros((), device="cuda")
+    run = wb_init(swandb, tmp_path, every=2) if swandb else None
+    with SummaryWriter(tmp_path / "tb", every=2) as w:
+        w.add_scalar("loss", x[0], 0)                  # binds the private logger to the GPU
+        if swandb:
+            swandb.log({"loss": x[0]})
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y.add_(1)                                  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="syncless.tensorboard: called during CUDA "
+                                               "graph capture"):
+            with torch.cuda.graph(g):
+                y.add_(1)
+                w.add_scalar("loss", y, 1)
+        if swandb:
+            with pytest.raises(RuntimeError, match="syncless.wandb: called during CUDA graph"):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    swandb.log({"loss": y})
+        for i in (1, 2, 3):
+            w.add_scalar("loss", x[i], i)
+            if swandb:
+                swandb.log({"loss": x[i]})
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i])
+                                                                    for i in range(4)]}
+    if swandb:
+        swandb.finish()
+        assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i)
+                                            for i in range(4)]
+
+
 def test_every_and_max_delay_are_checked_before_anything_starts(wandb_env, tmp_path):
     import wandb
     import syncless.wandb as swandb

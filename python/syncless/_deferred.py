@@ -17,6 +17,7 @@ backend, so they share one set of rules:
   `errors`; delivery goes on and every other record is written.
 - Any number of values per call: more than one kernel's worth (MAX_CELLS) spans several rows of
   the private logger, replayed as one record.
+- A call during CUDA graph capture raises: each replay would add a row with no record behind it.
 """
 from __future__ import annotations
 
@@ -127,6 +128,7 @@ class Deferred:
         self._seq = 0
         self._handed = time.monotonic()
         self._logger: Logger | None = None
+        self._on_cuda = False               # the private logger's ring is on a GPU
 
     @property
     def errors(self) -> int:
@@ -155,6 +157,10 @@ class Deferred:
                                 f"got {type(walltime).__name__}")
             walltime = float(walltime)
         with self._lock:
+            if self._on_cuda and torch.cuda.is_current_stream_capturing():
+                # A replay would append rows that no call made, shifting every later record.
+                raise RuntimeError(f"{self.failures.source}: called during CUDA graph capture; "
+                                   "log inside graphs with syncless.Logger instead")
             log = self._logger
             if log is None:
                 # sinks_on="all": on every rank of a distributed job, each writer writes its own.
@@ -180,6 +186,8 @@ class Deferred:
                     raise self._renamed(exc, cells, names) from None
                 raise
             self._seq = seq + 1
+            if not self._on_cuda:
+                self._on_cuda = log.device.type == "cuda"
             if self.max_delay is not None:
                 now = time.monotonic()
                 if now - self._handed >= self.max_delay:
@@ -245,6 +253,7 @@ class Deferred:
         """Replay everything and stop the private logger (a later put() starts a new one)."""
         with self._lock:
             log, self._logger = self._logger, None
+            self._on_cuda = False
         if log is not None:
             log.close()
 

@@ -12,7 +12,7 @@ the context manager's exit and interpreter exit deliver everything first.
 
 Every other method is torch's, unchanged: it writes at once, so in the event file its events may
 precede scalars logged before it. Readers group events by tag and step, so nothing they show
-changes. Not for use inside CUDA graph capture (use syncless.Logger there).
+changes. A call during CUDA graph capture raises RuntimeError (use syncless.Logger there).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ everything first; `flush()` does it on demand.
 Until delivery the run has not seen the deferred calls: `run.step` and `run.summary` lag by up to
 `every` calls. Do not mix direct `wandb.log` calls with these on one run without `flush()` in
 between. Multi-element tensors are snapshotted on the device (no sync here) and converted by wandb
-on the delivery thread. Not for use inside CUDA graph capture.
+on the delivery thread. A call during CUDA graph capture raises RuntimeError.
 
 Any other attribute (`wandb.Image`, `wandb.config`, `wandb.run`, ...) is the real wandb's.
 """
