@@ -172,46 +172,45 @@ def test_full_disk_raises_once_per_window_and_never_hangs():
     assert "/dev/full: steps 0-9 were not written" in r.stderr
 
 
-@pytest.mark.parametrize("kind", ["csv", "jsonl"])
-def test_a_failed_write_leaves_whole_rows_and_the_next_window_goes_on(tmp_path, kind):
+def test_a_failed_write_leaves_whole_rows_and_the_next_window_goes_on(tmp_path):
     """A file size limit (RLIMIT_FSIZE, as a full disk would) makes one window's write fail
-    part-way: the file is cut back to the rows before it, and once the space is back the next
+    part-way: each file is cut back to the rows before it, and once the space is back the next
     windows are written after them."""
-    path = tmp_path / f"m.{kind}"
+    csv_path, jsonl_path = tmp_path / "m.csv", tmp_path / "m.jsonl"
     r = run_python(f"""
-        import resource, signal
+        import os, resource, signal
         import syncless
         from syncless.sinks import CSV, JSONL
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of a signal
-        sink = {"CSV" if kind == "csv" else "JSONL"}({str(path)!r})
-        log = syncless.Logger(every=10, sinks=[sink])
-        for i in range(20):
-            log(loss=i / 8, acc=float(i))
-        log.flush()
-        size = __import__("os").path.getsize({str(path)!r})
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 300, resource.RLIM_INFINITY))
-        for i in range(20, 30):
-            log(loss=i / 8, acc=float(i))
-        log.flush()
-        print("after failure", __import__("os").path.getsize({str(path)!r}) == size)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
-        for i in range(30, 40):
-            log(loss=i / 8, acc=float(i))
-        log.close()
-        print("errors", log.stats.sink_errors)
+        for sink in (CSV({str(csv_path)!r}), JSONL({str(jsonl_path)!r})):
+            log = syncless.Logger(every=10, sinks=[sink])
+            for i in range(20):
+                log(loss=i / 8, acc=float(i))
+            log.flush()
+            size = os.path.getsize(sink.path)           # the next window would be ~300+ bytes
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, resource.RLIM_INFINITY))
+            for i in range(20, 30):
+                log(loss=i / 8, acc=float(i))
+            log.flush()
+            print("after failure", os.path.getsize(sink.path) == size)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+            for i in range(30, 40):
+                log(loss=i / 8, acc=float(i))
+            log.close()
+            print("errors", log.stats.sink_errors)
     """, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "after failure True" in r.stdout and "errors 1" in r.stdout
-    assert "steps 20-29 were not written (the file keeps every row before them)" in r.stderr
-    if kind == "csv":
-        table = read_csv(path)
-        assert table[0] == ["step", "time", "loss", "acc"]
-        got = [(int(row[0]), float(row[2]), float(row[3])) for row in table[1:]]
-    else:
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        got = [(d["step"], d["loss"], d["acc"]) for d in lines]
+    assert r.stdout.split("\n") == ["after failure True", "errors 1"] * 2 + [""]
+    for path in (csv_path, jsonl_path):
+        assert (f"{path}: steps 20-29 were not written (the file keeps every row before them); "
+                "the next window tries again") in r.stderr
+    table = read_csv(csv_path)
+    assert table[0] == ["step", "time", "loss", "acc"]
     steps = [*range(20), *range(30, 40)]
-    assert got == [(i, i / 8, float(i)) for i in steps]
+    assert [(int(row[0]), float(row[2]), float(row[3])) for row in table[1:]] == \
+        [(i, i / 8, float(i)) for i in steps]
+    lines = [json.loads(line) for line in jsonl_path.read_text().splitlines()]
+    assert [(d["step"], d["loss"], d["acc"]) for d in lines] == [(i, i / 8, float(i)) for i in steps]
 
 
 def test_sinks_refuse_bad_arguments(tmp_path):
