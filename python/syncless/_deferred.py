@@ -42,6 +42,7 @@ _STEP, _WALL = "s", "w"            # the row's cells for a tensor step / walltim
 _IN_ROW = object()                 # step / walltime given as a tensor: read from the row
 _PART = object()                   # a row holding the first cells of a wider record
 _columns: list[str] = [str(i) for i in range(MAX_CELLS)]
+_columns_lock = threading.Lock()
 
 
 def check_every(every: Any, max_delay: Any) -> None:
@@ -66,8 +67,10 @@ def check_name(name: Any, what: str = "metric") -> None:
 
 
 def _columns_for(n: int) -> list[str]:
-    while len(_columns) < n:
-        _columns.append(str(len(_columns)))
+    """The row's column names for n values ("0", "1", ...), shared by every adapter."""
+    if len(_columns) < n:
+        with _columns_lock:                     # adapters in several threads may grow it
+            _columns.extend(str(i) for i in range(len(_columns), n))
     return _columns
 
 

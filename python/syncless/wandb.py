@@ -41,6 +41,7 @@ __all__ = ["init", "log", "flush", "finish"]
 _log = logging.getLogger("syncless")
 
 _states: dict[int, "_RunState"] = {}     # id(run) -> its deferred calls
+_closed_errors = [0]                     # errors of the runs whose states are closed
 
 
 class _Slot:
@@ -161,6 +162,7 @@ class _RunState:
         self._deferred.close()
         if _states.get(id(self.run)) is self:
             del _states[id(self.run)]
+            _closed_errors[0] += self.errors
 
 
 def _deferred(run: Any, every: int | None = None) -> _RunState:
@@ -212,12 +214,10 @@ def finish(*args: Any, **kwargs: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("latest", "errors"):
-        # latest: {key: value} of the latest replayed numbers; errors: calls the run refused
-        # at delivery (each reported once per key set in the log). Both for wandb.run.
+    if name == "errors":     # calls the runs of this process refused at delivery, finished too
+        return _closed_errors[0] + sum(state.errors for state in list(_states.values()))
+    if name == "latest":                 # {key: value} of wandb.run's latest replayed numbers
         run = _wandb.run
         state = _states.get(id(run)) if run is not None else None
-        if name == "errors":
-            return state.errors if state is not None else 0
         return dict(state.latest) if state is not None else {}
     return getattr(_wandb, name)
