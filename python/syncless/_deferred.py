@@ -43,6 +43,7 @@ _IN_ROW = object()                 # step / walltime given as a tensor: read fro
 _PART = object()                   # a row holding the first cells of a wider record
 _columns: list[str] = [str(i) for i in range(MAX_CELLS)]
 _columns_lock = threading.Lock()
+_good_names: set[str] = set()      # names check_name() passed
 
 
 def check_every(every: Any, max_delay: Any) -> None:
@@ -57,6 +58,8 @@ def check_every(every: Any, max_delay: Any) -> None:
 
 def check_name(name: Any, what: str = "metric") -> None:
     """Names reach the backend as UTF-8: refuse, at the call, what the backend would refuse."""
+    if type(name) is str and name in _good_names:
+        return                                  # checked before: a set lookup per call
     if not isinstance(name, str):
         raise TypeError(f"{what} names must be str, got {type(name).__name__} {name!r}")
     try:
@@ -64,6 +67,8 @@ def check_name(name: Any, what: str = "metric") -> None:
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} {name!r} is not valid UTF-8 text ({exc.reason} at "
                          f"position {exc.start})") from None
+    if len(_good_names) < 100_000:               # bounded, whatever names a run invents
+        _good_names.add(name)
 
 
 def _columns_for(n: int) -> list[str]:
@@ -131,7 +136,6 @@ class Deferred:
         self._seq = 0
         self._handed = time.monotonic()
         self._logger: Logger | None = None
-        self._on_cuda = False               # the private logger's ring is on a GPU
 
     @property
     def errors(self) -> int:
@@ -144,24 +148,28 @@ class Deferred:
         """Log `values` (one-element tensors or real numbers; `names` are the user's names for
         them, used only in errors) and keep `record` for replay."""
         n = len(values)
-        cells = dict(zip(_columns_for(n), values))
-        if isinstance(step, torch.Tensor):
+        cells = {"0": values[0]} if n == 1 else dict(zip(_columns_for(n), values))
+        if step is None or type(step) is int:
+            pass                                    # the common cases, at no cost
+        elif isinstance(step, torch.Tensor):
             if step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
                 raise TypeError(f"{self._step_name} must be an integer tensor, got "
                                 f"{step.dtype}")
             cells[_STEP], step = step, _IN_ROW
-        elif step is not None and self._step_of is not None:
+        elif self._step_of is not None:
             step = self._step_of(step)
-        if isinstance(walltime, torch.Tensor):
-            cells[_WALL], walltime = walltime, _IN_ROW
-        elif walltime is not None:
-            if isinstance(walltime, bool) or not isinstance(walltime, numbers.Real):
+        if walltime is not None:
+            if isinstance(walltime, torch.Tensor):
+                cells[_WALL], walltime = walltime, _IN_ROW
+            elif isinstance(walltime, bool) or not isinstance(walltime, numbers.Real):
                 raise TypeError(f"walltime must be a real number or a one-element tensor, "
                                 f"got {type(walltime).__name__}")
-            walltime = float(walltime)
+            else:
+                walltime = float(walltime)
         with self._lock:
-            if self._on_cuda and torch.cuda.is_current_stream_capturing():
-                # A replay would append rows that no call made, shifting every later record.
+            # Only once CUDA is in use (never initialised by this check): a replay of a
+            # captured call would append rows that no call made, shifting every later record.
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self.failures.source}: called during CUDA graph capture; "
                                    "log inside graphs with syncless.Logger instead")
             log = self._logger
@@ -189,8 +197,6 @@ class Deferred:
                     raise self._renamed(exc, cells, names) from None
                 raise
             self._seq = seq + 1
-            if not self._on_cuda:
-                self._on_cuda = log.device.type == "cuda"
             if self.max_delay is not None:
                 now = time.monotonic()
                 if now - self._handed >= self.max_delay:
@@ -256,7 +262,6 @@ class Deferred:
         """Replay everything and stop the private logger (a later put() starts a new one)."""
         with self._lock:
             log, self._logger = self._logger, None
-            self._on_cuda = False
         if log is not None:
             log.close()
 

@@ -100,8 +100,10 @@ class SummaryWriter(_TorchWriter):
                    walltime: float | None = None, new_style: bool = False,
                    double_precision: bool = False) -> None:
         check_name(tag, "tag")
-        self._deferred.put((_ONE, tag, new_style, double_precision), (_scalar(scalar_value),),
-                           (tag,), global_step, walltime)
+        if type(scalar_value) is not torch.Tensor:
+            scalar_value = _scalar(scalar_value)
+        self._deferred.put((_ONE, tag, new_style, double_precision), (scalar_value,), (tag,),
+                           global_step, walltime)
 
     def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
                     walltime: float | None = None) -> None:
