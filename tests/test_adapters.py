@@ -296,6 +296,252 @@ def test_wandb_sink(device, wandb_env, tmp_path):
     assert all(t0 <= h["item"]["_timestamp"] <= t1 for h in got)
 
 
+# ---- the adapters' shared core: the same rules, the same errors ---------------------------------
+
+@pytest.fixture
+def swandb(request):
+    """syncless.wandb with an offline W&B, or None where wandb is not installed (the GPU
+    machine): the shared-core tests then check the TensorBoard side alone."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return None
+    request.getfixturevalue("wandb_env")
+    import syncless.wandb
+    return syncless.wandb
+
+
+def wb_init(swandb, tmp_path, every):
+    import wandb
+    return swandb.init(project="syncless-test", dir=str(tmp_path), every=every,
+                       settings=wandb.Settings(**WANDB_SETTINGS))
+
+
+def bad_inputs(device):
+    """(call(tb_writer), call(syncless.wandb), error type, TensorBoard's message, W&B's): the
+    same mistake made through each adapter, and the error each must raise at the call. Every
+    tensor is made here, before any no_syncs block."""
+    meta = torch.empty((), device="meta")
+    steps = torch.tensor([1, 2], device=device)
+    half = torch.tensor(1.5, device=device)
+    wide_tb = {**{f"k{i}": float(i) for i in range(300)}, "k150": meta}
+    wide_wb = {**{f"k{i}": torch.tensor(float(i), device=device) for i in range(300)},
+               "k150": meta}
+    return [
+        (lambda w: w.add_scalar("bad\udc80", 1.0, 0), lambda wb: wb.log({"bad\udc80": 1.0}),
+         ValueError, r"tag 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed",
+         r"key 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed"),
+        (lambda w: w.add_scalar("loss", 1.0, half), lambda wb: wb.log({"loss": 1.0}, step=half),
+         TypeError, r"^global_step must be an integer tensor, got torch.float32$",
+         r"^step must be an integer tensor, got torch.float32$"),
+        (lambda w: w.add_scalar("loss", 1.0, steps), lambda wb: wb.log({"loss": 1.0}, step=steps),
+         ValueError, r"^global_step must hold one element, got shape \(2,\)$",
+         r"^step must hold one element, got shape \(2,\)$"),
+        (lambda w: w.add_scalar("loss", meta, 0), lambda wb: wb.log({"loss": meta}),
+         (TypeError, ValueError), r"^metric 'loss'[: ]", r"^metric 'loss'[: ]"),
+        (lambda w: w.add_scalars("wide", wide_tb), lambda wb: wb.log(wide_wb),   # row 2 of 2
+         (TypeError, ValueError), r"^metric 'wide/k150'[: ]", r"^metric 'k150'[: ]"),
+        (lambda w: w.add_scalar("loss", 1.0, "abc"), lambda wb: wb.log({"loss": 1.0}, step=2.5),
+         TypeError, r"^global_step must be an integer, got str 'abc'$",
+         r"^step must be an integer, got float 2.5$"),
+    ]
+
+
+def test_both_adapters_refuse_bad_input_alike_and_lose_nothing(device, swandb, tmp_path):
+    """Every mistake raises at the call, naming the metric or parameter in the same words in
+    both adapters; what was logged before and after each is written exactly."""
+    from syncless.tensorboard import SummaryWriter
+    v, _ = device_values(device)
+    cases = bad_inputs(device)
+    run = wb_init(swandb, tmp_path, every=4) if swandb else None
+    with SummaryWriter(tmp_path / "tb", every=4) as w:
+        with no_syncs(device):
+            for i, (tb_call, wb_call, error, tb_text, wb_text) in enumerate(cases):
+                w.add_scalar("loss", v[i], i)
+                with pytest.raises(error, match=tb_text):
+                    tb_call(w)
+                if swandb:
+                    swandb.log({"loss": v[i]})
+                    with pytest.raises(error, match=wb_text):
+                        wb_call(swandb)
+            w.add_scalar("loss", v[len(cases)], len(cases))
+            if swandb:
+                swandb.log({"loss": v[len(cases)]})
+    good = range(len(cases) + 1)
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i]) for i in good]}
+    assert w.errors == 0
+    if swandb:
+        swandb.finish()
+        assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i) for i in good]
+
+
+def test_a_record_refused_at_delivery_is_reported_by_name_and_the_rest_written(
+        device, swandb, tmp_path, caplog):
+    """A step tensor whose value is no int64 (a uint64 at its maximum) can only be found once
+    the row is read: both adapters report it once, naming the metric, count it, and write every
+    other record of the window."""
+    from syncless.tensorboard import SummaryWriter
+    huge = torch.tensor(2**64 - 1, dtype=torch.uint64, device=device)
+    v, steps = device_values(device)
+    run = wb_init(swandb, tmp_path, every=8) if swandb else None
+    with SummaryWriter(tmp_path / "tb", every=8) as w:
+        with no_syncs(device):
+            for i in range(6):
+                step = huge if i in (2, 4) else steps[i]
+                w.add_scalar("loss", v[i], step)
+                if swandb:
+                    swandb.log({"loss": v[i]}, step=step)
+        assert w.errors == 0                                 # nothing delivered yet
+    assert w.errors == 2
+    good = [0, 1, 3, 5]
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i]) for i in good]}
+    expected = [                                             # once per metric, in the same words
+        "syncless.tensorboard: add_scalar('loss') was not written: ValueError: global_step "
+        "1.8446744073709552e+19 (from a tensor) is not an int64 (reported once per metric; "
+        "writer.errors counts them; the other records go on)",
+        "syncless.wandb: log({'loss'}) was not written: ValueError: step "
+        "1.8446744073709552e+19 (from a tensor) is not an int64 (reported once per metric; "
+        "syncless.wandb.errors counts them; the other records go on)"]
+    if swandb:
+        before = swandb.errors                               # counts every run of the process
+        swandb.flush()
+        assert swandb.errors == before + 2
+        swandb.finish()
+        assert swandb.errors == before + 2
+        assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i) for i in good]
+    reports = [r.getMessage() for r in caplog.records if "was not written" in r.getMessage()]
+    assert reports == (expected if swandb else expected[:1])
+
+
+def test_calls_wider_than_one_kernel_launch(device, swandb, tmp_path):
+    """More values in one call than the gather kernel takes (MAX_CELLS): the record spans
+    several rows and is replayed whole, with its tensor step and walltime."""
+    from syncless import _deferred
+    from syncless.tensorboard import SummaryWriter
+    n = _deferred.MAX_CELLS + 2                      # with the step and walltime: 4 cells over
+    values = torch.arange(3 * n, dtype=torch.float64, device=device) / 4
+    wall = torch.tensor(1234.5, device=device)
+    _, steps = device_values(device)
+    with SummaryWriter(tmp_path / "tb", every=2) as w:
+        with no_syncs(device):
+            w.add_scalars("wide", {f"k{i}": values[i] for i in range(n)}, steps[7], wall)
+            w.add_scalar("after", values[0], 8)
+    got = read_tb(tmp_path / "tb")
+    assert len(got) == n + 1
+    assert all(got[f"wide_k{i}", "wide"] == [(7, i / 4, 1234.5)] for i in range(n))
+    assert strip_time(got)[".", "after"] == [(8, 0.0)]
+    if not swandb:
+        return
+    run = wb_init(swandb, tmp_path, every=2)
+    with no_syncs(device):
+        swandb.log({f"k{i}": values[i] for i in range(3 * n)}, step=steps[3])
+        swandb.log({"after": values[1]}, step=4)
+        run.finish()
+    assert untimed(wb_history(run)) == [
+        ({**{f"k{i}": i / 4 for i in range(3 * n)}, "_step": 3}, 3),
+        ({"after": 0.25, "_step": 4}, 4)]
+
+
+@pytest.mark.cuda
+def test_adapters_refuse_cuda_graph_capture(swandb, tmp_path):
+    """A replayed graph would append rows no call made and shift every later record onto the
+    wrong values: a call during capture raises, and the writer goes on exactly after it."""
+    from syncless.tensorboard import SummaryWriter
+    x = torch.tensor(VALUES[:4], device="cuda")
+    y = torch.zeros((), device="cuda")
+    run = wb_init(swandb, tmp_path, every=2) if swandb else None
+    with SummaryWriter(tmp_path / "tb", every=2) as w:
+        w.add_scalar("loss", x[0], 0)                  # binds the private logger to the GPU
+        if swandb:
+            swandb.log({"loss": x[0]})
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            y.add_(1)                                  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="syncless.tensorboard: called during CUDA "
+                                               "graph capture"):
+            with torch.cuda.graph(g):
+                y.add_(1)
+                w.add_scalar("loss", y, 1)
+        if swandb:
+            with pytest.raises(RuntimeError, match="syncless.wandb: called during CUDA graph"):
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    swandb.log({"loss": y})
+        for i in (1, 2, 3):
+            w.add_scalar("loss", x[i], i)
+            if swandb:
+                swandb.log({"loss": x[i]})
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i])
+                                                                    for i in range(4)]}
+    if swandb:
+        swandb.finish()
+        assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i)
+                                            for i in range(4)]
+
+
+def test_every_and_max_delay_are_checked_before_anything_starts(wandb_env, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    from syncless.tensorboard import SummaryWriter
+    for bad in (0, -1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match=rf"every must be a positive int, got {bad!r}"):
+            SummaryWriter(tmp_path / "tb", every=bad)
+        with pytest.raises(ValueError, match=rf"every must be a positive int, got {bad!r}"):
+            swandb.init(project="syncless-test", dir=str(tmp_path), every=bad)
+    with pytest.raises(ValueError, match=r"max_delay must be None or a number of seconds >= 0, "
+                                         r"got '2'"):
+        SummaryWriter(tmp_path / "tb", max_delay="2")
+    assert not (tmp_path / "tb").exists() and wandb.run is None    # no writer, no run
+
+
+def _tb_rank_worker(rank, world, tmp):
+    import torch.distributed as dist
+    from syncless.tensorboard import SummaryWriter
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    try:
+        with SummaryWriter(os.path.join(tmp, f"rank{rank}"), every=3) as w:
+            for i in range(5):
+                w.add_scalar("loss", torch.tensor(VALUES[i] + rank), i)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensorboard_writer_on_every_rank_writes_its_own(tmp_path):
+    """Under torch.distributed each rank's writer is its own: rank 1 writes too (the private
+    logger must not keep its sinks to rank 0)."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_tb_rank_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        assert strip_time(read_tb(tmp_path / f"rank{rank}")) == {
+            (".", "loss"): [(i, VALUES[i] + rank) for i in range(5)]}
+
+
+def test_sinks_write_every_record_but_a_refused_one(wandb_env, tmp_path, caplog):
+    """The TensorBoard and W&B sinks: a record the backend refuses (a name that is not UTF-8)
+    costs only itself; the sink raises once per window, naming it, and the logger counts it."""
+    import wandb
+    run = wandb.init(project="syncless-test", dir=str(tmp_path),
+                     settings=wandb.Settings(**WANDB_SETTINGS))
+    with syncless.Logger(every=4, sinks=[sinks.TensorBoard(tmp_path / "tb"),
+                                         sinks.WandB(run)]) as log:
+        for i in range(4):
+            log(loss=VALUES[i], **({"bad\udc80": 1.0} if i == 1 else {}))
+    run.finish()
+    assert log.stats.sink_errors == 2
+    assert strip_time(read_tb(tmp_path / "tb")) == {(".", "loss"): [(i, VALUES[i])
+                                                                    for i in range(4)]}
+    assert untimed(wb_history(run)) == [({"loss": VALUES[i], "_step": i}, i) for i in (0, 2, 3)]
+    text = caplog.text
+    assert ("TensorBoard: 1 record(s) of this window were not written, the first: metric "
+            "'bad\\udc80' at step 1: UnicodeEncodeError") in text
+    assert ("WandB: 1 record(s) of this window were not written, the first: metric 'loss', "
+            "'bad\\udc80' at step 1: UnicodeEncodeError") in text
+
+
 # ---- optional backends -----------------------------------------------------------------------
 
 def test_missing_backends_name_the_extra(monkeypatch):

@@ -58,3 +58,38 @@ def test_missing_tqdm_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
     with pytest.raises(ImportError, match=r"pip install syncless\[progress\]"):
         tqdm(range(3))
+
+
+def test_bad_arguments_fail_at_construction_not_at_a_redraw():
+    with pytest.raises(TypeError, match=r"keys must be a list of metric names, got the str "
+                                        r"'loss' \(keys=\['loss'\] shows one\)"):
+        tqdm(range(3), log=syncless.Logger(), keys="loss")
+    with pytest.raises(ValueError, match=r"fmt 'd' is not a format spec for a float"):
+        tqdm(range(3), log=syncless.Logger(), fmt="d")
+    with pytest.raises(TypeError, match=r"log must have a `latest` dict .* got dict"):
+        tqdm(range(3), log={"loss": 1.0})
+    out = io.StringIO()                       # keys from a generator are kept, not consumed
+    log = type("Board", (), {"latest": {"a": 1.0, "b": 2.0}})()
+    bar = tqdm(total=1, log=log, keys=(k for k in ["b"]), file=out, mininterval=0, ascii=True)
+    bar.update(1)
+    bar.close()
+    assert postfixes(out.getvalue())[-1] == "b=2"
+
+
+def test_a_failing_postfix_never_stops_the_loop(caplog):
+    class Flaky:                              # `latest` that fails after the first redraw
+        reads = 0
+
+        @property
+        def latest(self):
+            self.reads += 1                   # read 1: tqdm() checks it; read 2: first redraw
+            if self.reads > 2:
+                raise RuntimeError("backend gone")
+            return {"loss": 0.5}
+
+    out = io.StringIO()
+    seen = list(tqdm(range(5), log=Flaky(), file=out, mininterval=0, ascii=True))
+    assert seen == [0, 1, 2, 3, 4]
+    assert "5/5" in out.getvalue() and "loss=0.5" in out.getvalue()
+    failures = [r for r in caplog.records if "building the postfix" in r.getMessage()]
+    assert len(failures) == 1 and "RuntimeError: backend gone" in failures[0].getMessage()

@@ -12,9 +12,12 @@ syncless.tensorboard.SummaryWriter, the syncless.wandb module, or anything with 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable, Sequence
 
 __all__ = ["tqdm"]
+
+_log = logging.getLogger("syncless")
 
 _classes: dict[str, type] = {}
 
@@ -33,10 +36,11 @@ def _bar_class() -> type:
 
         def __init__(self, *args: Any, log: Any = None, keys: Sequence[str] | None = None,
                      fmt: str = ".4g", **kwargs: Any):
+            self._sl_keys = _check(log, keys, fmt)
             self._sl_log = log
-            self._sl_keys = tuple(keys) if keys is not None else None
             self._sl_fmt = fmt
             self._sl_seen: Any = None
+            self._sl_failed = False
             super().__init__(*args, **kwargs)
 
         def _sl_update_postfix(self) -> None:
@@ -61,11 +65,38 @@ def _bar_class() -> type:
             self.postfix = ", ".join(parts)
 
         def display(self, *args: Any, **kwargs: Any) -> Any:
-            self._sl_update_postfix()
+            try:
+                self._sl_update_postfix()
+            except Exception as exc:            # a redraw must never stop the training loop
+                if not self._sl_failed:
+                    self._sl_failed = True
+                    _log.error("syncless.tqdm: building the postfix from %r failed: %s: %s "
+                               "(reported once; the bar goes on)", self._sl_log,
+                               type(exc).__name__, exc)
             return super().display(*args, **kwargs)
 
     _classes["tqdm"] = SynclessTqdm
     return SynclessTqdm
+
+
+def _check(log: Any, keys: Any, fmt: Any) -> tuple[str, ...] | None:
+    """Refuse, at construction, what would otherwise fail at every redraw; the keys as a tuple."""
+    if log is not None and not hasattr(log, "latest"):
+        raise TypeError(f"log must have a `latest` dict (a syncless.Logger, "
+                        f"syncless.tensorboard.SummaryWriter, syncless.wandb), got "
+                        f"{type(log).__name__}")
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a list of metric names, got the str {keys!r} "
+                        f"(keys=[{keys!r}] shows one)")
+    if keys is not None:
+        keys = tuple(keys)
+        if not all(isinstance(k, str) for k in keys):
+            raise TypeError(f"keys must be metric names (str), got {list(keys)!r}")
+    try:
+        format(1.5, fmt)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"fmt {fmt!r} is not a format spec for a float: {exc}") from None
+    return keys
 
 
 def tqdm(iterable: Iterable | None = None, *args: Any, log: Any = None,

@@ -15,26 +15,85 @@ ImportError with the install hint when it is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
+import io
 import json
 import os
+import shutil
+import stat
 import sys
 from typing import Any, Callable, TextIO
 
 __all__ = ["Callback", "JSONL", "CSV", "Print", "TensorBoard", "WandB"]
 
 
-def _open(path: str, mode: str, newline: str | None = None) -> TextIO:
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    return open(path, mode, newline=newline, encoding="utf-8")
+class _File:
+    """A file written a whole window at a time, unbuffered, so a failed write can be undone.
+
+    Every write() is one os.write loop of bytes prepared beforehand. If it fails (a full disk:
+    ENOSPC), a regular file is cut back to its size before the write, so it holds whole rows
+    only, and the OSError names the file and the steps that were not written; the next window
+    tries again. Nothing is ever read back, so a device or a FIFO (`/dev/full`, `/dev/stdout`)
+    can only fail, never hang."""
+
+    def __init__(self, path: str, truncate: bool):
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_APPEND)
+        # os.open follows a symlink: the link's target is written, the link stays.
+        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self.path = path
+        self.regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
+
+    def write(self, data: bytes, rows: list) -> None:
+        """Write `data` (the bytes of `rows`, named in the error if it fails) or nothing."""
+        if self.fd < 0:
+            raise ValueError(f"{self.path}: the sink is closed")
+        start = os.lseek(self.fd, 0, os.SEEK_END) if self.regular else -1
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.write(self.fd, view)
+                if n <= 0:                                 # never spin on a stuck device
+                    raise OSError(errno.EIO, "write() wrote nothing")
+                view = view[n:]
+        except OSError as exc:
+            kept = "the file keeps every row before them"
+            if start >= 0:
+                try:
+                    os.ftruncate(self.fd, start)
+                except OSError:
+                    kept = "the last row may be cut short"
+            if not rows:
+                what = "the header was"
+            elif len(rows) == 1:
+                what = f"step {rows[0].step} was"
+            else:
+                what = f"steps {rows[0].step}-{rows[-1].step} were"
+            raise OSError(exc.errno, f"{exc.strerror}: {self.path}: {what} not written "
+                          f"({kept}); the next window tries again") from exc
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _encode(text: str) -> bytes:
+    # A name that is not valid Unicode (a lone surrogate, "bad\udc80", from os.fsdecode of a
+    # bad file name) is written with a backslash escape instead of failing every window.
+    return text.encode("utf-8", "backslashreplace")
 
 
 class Callback:
     """Call fn(step, time, values) for every delivered row."""
 
     def __init__(self, fn: Callable[[int, float, dict], Any]):
+        if not callable(fn):
+            raise TypeError(f"Callback needs a callable, got {type(fn).__name__}")
         self.fn = fn
 
     def write(self, rows) -> None:
@@ -47,69 +106,170 @@ class Callback:
 
 class JSONL:
     """One JSON object per step: {"step": 7, "time": 1733000000.12, "loss": 0.5, ...}.
-    NaN and Inf are written as JSON's NaN/Infinity extensions (Python's json reads them)."""
+    NaN and Inf are written as JSON's NaN/Infinity extensions (Python's json reads them).
+
+    mode "a" (default) appends to an existing file, "w" starts it afresh. Each window is one
+    write of whole lines, passed straight to the OS (nothing is buffered, so flush() has nothing
+    to do); on a failed write (a full disk) the file is cut back to whole lines and the sink
+    raises an OSError naming the steps lost: the logger reports it and the next window tries
+    again. Names that are not valid Unicode are written as JSON escapes."""
 
     def __init__(self, path: str | os.PathLike, mode: str = "a"):
+        if mode not in ("a", "w"):
+            raise ValueError(f"JSONL mode must be 'a' or 'w', got {mode!r}")
         self.path = os.fspath(path)
-        self._f = _open(self.path, mode)
+        self._file = _File(self.path, truncate=mode == "w")
 
     def write(self, rows) -> None:
-        lines = [json.dumps({"step": r.step, "time": r.time, **r.values}) for r in rows]
-        self._f.write("\n".join(lines) + "\n")
+        if not rows:
+            return
+        text = "".join([json.dumps({"step": r.step, "time": r.time, **r.values}) + "\n"
+                        for r in rows])
+        self._file.write(_encode(text), rows)
 
     def flush(self) -> None:
-        self._f.flush()
+        """Nothing to do: every window reaches the OS when it is written."""
 
     def close(self) -> None:
-        self._f.close()
+        self._file.close()
 
     def __repr__(self) -> str:
         return f"JSONL({self.path!r})"
 
 
 class CSV:
-    """step,time,<metric>... with a column per metric; when a new metric appears the file is
-    rewritten once with the wider header (earlier rows leave the new column empty)."""
+    """A table: step,time,<metric>..., one row per step, a column per metric in order of first
+    appearance; a metric absent at a step leaves its cell empty. After close(), `path` is one
+    CSV file that `pandas.read_csv(path)` or `csv.DictReader` reads whole.
+
+    New metrics never rewrite what is written. While the run goes on, a window that brings new
+    names starts a new part beside the file, with the wider header: `m.csv`, then `m.1.csv`,
+    `m.2.csv`, ... (`CSV.parts(path)` lists them in order; each is a complete CSV, so a crashed
+    run leaves files that read as they are). close() merges the parts into `path` in one pass
+    (rows of narrower parts padded with empty cells) and removes them. Cost: a window costs the
+    bytes of its rows (one field per known column), a new part one header; nothing is read
+    back during the run, so the total work is O(bytes written), plus one pass over the file at
+    close() when the columns grew. Opening truncates `path` and removes parts a previous run
+    of it left behind. A path that is not a regular file (`/dev/stdout`, a FIFO) gets the
+    wider header as a new line in the stream instead of parts, and no merge.
+
+    Writes are unbuffered, one per window; a failed one (a full disk) leaves whole rows only
+    and raises an OSError naming the steps lost, which the logger reports; the next window
+    tries again. A symlinked `path` writes its target. Names that are not valid Unicode are
+    written with backslash escapes."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self.columns: list[str] = []
-        self._f = _open(self.path, "w", newline="")
-        self._writer = csv.writer(self._f)
+        self._known: set[str] = set()
+        for stale in CSV.parts(self.path)[1:]:
+            os.unlink(stale)
+        self._file = _File(self.path, truncate=True)
+        self._parts: list[tuple[str, int, int]] = []   # (path, columns, header bytes)
+        self._header: int | None = None                # columns in the current header on disk
+
+    @staticmethod
+    def parts(path: str | os.PathLike) -> list[str]:
+        """The files a CSV sink is writing at `path`, in order: `path` and its parts."""
+        path = os.fspath(path)
+        base, ext = os.path.splitext(path)
+        found = [path] if os.path.lexists(path) else []
+        k = 1
+        while os.path.lexists(f"{base}.{k}{ext}"):
+            found.append(f"{base}.{k}{ext}")
+            k += 1
+        return found
 
     def write(self, rows) -> None:
-        new = []
+        if not rows:
+            return
+        new: dict[str, None] = {}                       # ordered, O(1) membership
+        seen = self._known
         for r in rows:
             for name in r.values:
-                if name not in self.columns and name not in new:
-                    new.append(name)
+                if name not in seen:
+                    new[name] = None
+        columns = self.columns + list(new) if new else self.columns
+        if new and self._header is not None:
+            self._next_part()
+        out = io.StringIO()
+        w = csv.writer(out)
+        header = self._header is None
+        if header:
+            w.writerow(["step", "time"] + columns)
+            header_bytes = len(_encode(out.getvalue()))
+        w.writerows([r.step, repr(r.time)] + [r.values.get(c, "") for c in columns]
+                    for r in rows)
+        self._file.write(_encode(out.getvalue()), rows)
+        if header:
+            self._header = len(columns)
+            if self._file.regular:
+                self._parts.append((self._file.path, len(columns), header_bytes))
         if new:
-            self._widen(new)
-        cols = self.columns
-        self._writer.writerows(
-            [r.step, repr(r.time)] + [repr(r.values[c]) if c in r.values else "" for c in cols]
-            for r in rows)
+            self.columns = columns
+            seen.update(new)
 
-    def _widen(self, new: list[str]) -> None:
-        self._f.close()
-        with open(self.path, newline="", encoding="utf-8") as f:
-            old = list(csv.reader(f))[1:]
-        pad = [""] * len(new)
-        self.columns += new
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(["step", "time"] + self.columns)
-            w.writerows(row + pad for row in old)
-        os.replace(tmp, self.path)
-        self._f = open(self.path, "a", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._f)
+    def _next_part(self) -> None:
+        if not self._file.regular:
+            self._header = None              # a stream: the wider header is the next line
+            return
+        base, ext = os.path.splitext(self.path)
+        part = _File(f"{base}.{len(self._parts)}{ext}", truncate=True)
+        self._file.close()
+        self._file, self._header = part, None
 
     def flush(self) -> None:
-        self._f.flush()
+        """Nothing to do: every window reaches the OS when it is written."""
 
     def close(self) -> None:
-        self._f.close()
+        if self._file.fd < 0:
+            return
+        try:
+            if self._header is None and not self._parts and self._file.regular:
+                self._file.write(b"step,time\r\n", [])    # an empty table, still a CSV
+        finally:
+            self._file.close()
+        if len(self._parts) > 1:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Write path's target afresh with the final header and every part's rows, then remove
+        the parts. On failure the parts stay as they are and the OSError says so."""
+        target = os.path.realpath(self.path)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        width = len(self.columns)
+        try:
+            with open(tmp, "wb") as out:
+                head = io.StringIO()
+                csv.writer(head).writerow(["step", "time"] + self.columns)
+                out.write(_encode(head.getvalue()))
+                for path, columns, header_bytes in self._parts:
+                    pad = b"," * (width - columns) + b"\r\n"
+                    with open(path, "rb") as part:
+                        part.seek(header_bytes)
+                        rest = b""
+                        while True:
+                            chunk = part.read(1 << 20)
+                            if not chunk:
+                                break
+                            chunk = rest + chunk
+                            cut = chunk.rfind(b"\r\n") + 2      # data rows hold no newline
+                            out.write(chunk[:cut].replace(b"\r\n", pad))
+                            rest = chunk[cut:]
+                        if rest:                                   # never: rows end in \r\n
+                            out.write(rest + pad)
+            shutil.copymode(target, tmp)
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            names = ", ".join(p for p, _, _ in self._parts)
+            raise OSError(exc.errno, f"{exc.strerror}: CSV {self.path}: merging its parts "
+                          f"failed; every row is still in {names} (each with its own "
+                          "header)") from exc
+        for path, _, _ in self._parts[1:]:
+            os.unlink(path)
+        self._parts = self._parts[:1]
 
     def __repr__(self) -> str:
         return f"CSV({self.path!r})"
@@ -140,6 +300,29 @@ class Print:
         return "Print()"
 
 
+class _Refused:
+    """The records a backend refused in one window: the others are written first, then one
+    error names the first refused metric, so the logger reports and counts it."""
+
+    def __init__(self, sink: str):
+        self.sink = sink
+        self.count = 0
+        self.first: tuple[str, int, Exception] | None = None
+
+    def add(self, metric: str, step: int, exc: Exception) -> None:
+        self.count += 1
+        if self.first is None:
+            self.first = (metric, step, exc)
+
+    def raise_if_any(self) -> None:
+        if self.first is None:
+            return
+        metric, step, exc = self.first
+        raise RuntimeError(f"{self.sink}: {self.count} record(s) of this window were not "
+                           f"written, the first: metric {metric} at step {step}: "
+                           f"{type(exc).__name__}: {exc}; every other record was") from exc
+
+
 def _missing(package: str, extra: str) -> ImportError:
     return ImportError(f"this sink needs {package}: pip install syncless[{extra}]")
 
@@ -163,9 +346,14 @@ class TensorBoard:
 
     def write(self, rows) -> None:
         add = self._add
+        failed = _Refused("TensorBoard")
         for r in rows:
             for name, v in r.values.items():
-                add(name, v, r.step, r.time)
+                try:
+                    add(name, v, r.step, r.time)
+                except Exception as exc:            # one bad scalar never costs the others
+                    failed.add(repr(name), r.step, exc)
+        failed.raise_if_any()
 
     def flush(self) -> None:
         self.writer.flush()
@@ -196,7 +384,7 @@ class WandB:
 
     @property
     def run(self):
-        run = self._run or self._wandb.run
+        run = self._run if self._run is not None else self._wandb.run
         if run is None:
             raise RuntimeError("syncless.sinks.WandB: no W&B run; call wandb.init() first or "
                                "pass run=")
@@ -204,16 +392,20 @@ class WandB:
 
     def write(self, rows) -> None:
         run = self.run
-        step, data = None, {}
+        failed = _Refused("WandB")
+        groups: list[tuple[int, dict]] = []
         for r in rows:
-            if r.step != step and data:
-                run.log(data, step=step)
-                data = {}
-            step = r.step
+            if not groups or groups[-1][0] != r.step:
+                groups.append((r.step, {}))
+            data = groups[-1][1]
             data.update(r.values)
             data["_timestamp"] = r.time
-        if data:
-            run.log(data, step=step)
+        for step, data in groups:
+            try:
+                run.log(data, step=step)
+            except Exception as exc:                # one refused step never costs the others
+                failed.add(", ".join(repr(k) for k in data if k != "_timestamp"), step, exc)
+        failed.raise_if_any()
 
     def __repr__(self) -> str:
         return "WandB()"

@@ -12,7 +12,7 @@ the context manager's exit and interpreter exit deliver everything first.
 
 Every other method is torch's, unchanged: it writes at once, so in the event file its events may
 precede scalars logged before it. Readers group events by tag and step, so nothing they show
-changes. Not for use inside CUDA graph capture (use syncless.Logger there).
+changes. A call during CUDA graph capture raises RuntimeError (use syncless.Logger there).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ except ImportError as exc:                       # torch raises this when tensor
     raise ImportError("syncless.tensorboard needs tensorboard: "
                       "pip install syncless[tensorboard]") from exc
 
-from ._deferred import Deferred
+from ._deferred import Deferred, Failures, check_name
 
 __all__ = ["SummaryWriter"]
 
@@ -37,25 +37,28 @@ _log = logging.getLogger("syncless")
 _writers: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
 
 _ONE, _MANY = 0, 1
-_IN_ROW = object()             # global_step / walltime given as a tensor: read from the row
-_COLUMNS = tuple(str(i) for i in range(256))
 
 
-def _one_element(tag: str, value: Any) -> Any:
-    """What the logger can take (a tensor or a real number), read without a sync."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"scalar {tag!r} must hold one element, got shape "
-                             f"{tuple(value.shape)}")
+def _scalar(value: Any) -> Any:
+    """What the logger can take: tensors and numbers as they are (it checks them and names the
+    tag in its error); numpy scalars and arrays through torch's own conversion, on the host."""
+    if isinstance(value, (torch.Tensor, int, float)) or type(value).__module__ != "numpy":
         return value
-    if isinstance(value, (int, float)):
-        return value
-    # numpy scalars and arrays, caffe2 blob names: torch's own conversion, on the host.
     from torch.utils.tensorboard._convert_np import make_np
     array = make_np(value)
-    if array.size != 1:
-        raise ValueError(f"scalar {tag!r} must hold one element, got shape {array.shape}")
-    return float(array.reshape(-1)[0])
+    return float(array.reshape(-1)[0]) if array.size == 1 else torch.from_numpy(array)
+
+
+def _global_step(step: Any) -> int:
+    try:
+        return int(step)                    # what torch's add_scalar does with it
+    except (TypeError, ValueError):
+        raise TypeError(f"global_step must be an integer, got {type(step).__name__} "
+                        f"{step!r}") from None
+
+
+def _describe(record: tuple) -> tuple[str, str]:
+    return record[1], f"{'add_scalar' if record[0] == _ONE else 'add_scalars'}({record[1]!r})"
 
 
 class SummaryWriter(_TorchWriter):
@@ -67,70 +70,67 @@ class SummaryWriter(_TorchWriter):
         loop still shows up in TensorBoard (None: only every `every` calls, flush and close).
 
     `latest` ({tag: value}) and `latest_step` hold the most recent values written, a few steps
-    behind the loop; `syncless.tqdm(..., log=writer)` shows them.
+    behind the loop; `syncless.tqdm(..., log=writer)` shows them. Bad input (a tensor with
+    several elements, a complex one, a non-integer step tensor, a tag that is not UTF-8) raises
+    at the call, naming the tag; a scalar torch refuses at delivery is reported once per tag
+    and counted in `errors`, and every other scalar is written.
     """
 
     def __init__(self, log_dir: Any = None, comment: str = "", purge_step: int | None = None,
                  max_queue: int = 10, flush_secs: int = 120, filename_suffix: str = "", *,
                  every: int = 50, max_delay: float | None = 2.0):
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+        self._deferred = Deferred(self._replay, _describe,
+                                  Failures("syncless.tensorboard", "writer.errors"), every,
+                                  max_delay, step_name="global_step", step_of=_global_step)
         super().__init__(log_dir, comment, purge_step, max_queue, flush_secs, filename_suffix)
         self.every = every
         self.max_delay = max_delay
         self.latest: dict[str, float] = {}
         self.latest_step = -1
-        self._deferred = Deferred(self._replay, every, max_delay)
         _writers.add(self)
+
+    @property
+    def errors(self) -> int:
+        """Scalars torch refused at delivery (each tag reported once in the log)."""
+        return self._deferred.errors
 
     # ---- the deferred path (the caller's thread) ---------------------------------------------
 
     def add_scalar(self, tag: str, scalar_value: Any, global_step: Any = None,
                    walltime: float | None = None, new_style: bool = False,
                    double_precision: bool = False) -> None:
-        metrics = {"v": _one_element(tag, scalar_value)}
-        if isinstance(global_step, torch.Tensor):
-            metrics["s"], global_step = global_step, _IN_ROW
-        if isinstance(walltime, torch.Tensor):
-            metrics["w"], walltime = walltime, _IN_ROW
-        self._deferred.put(metrics, (_ONE, tag, global_step, walltime, new_style, double_precision))
+        check_name(tag, "tag")
+        if type(scalar_value) is not torch.Tensor:
+            scalar_value = _scalar(scalar_value)
+        self._deferred.put((_ONE, tag, new_style, double_precision), (scalar_value,), (tag,),
+                           global_step, walltime)
 
     def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
                     walltime: float | None = None) -> None:
-        names = list(tag_scalar_dict)
-        if len(names) > 254:
-            raise ValueError(f"add_scalars({main_tag!r}): at most 254 values per call, got "
-                             f"{len(names)}")
-        metrics = {_COLUMNS[i]: _one_element(f"{main_tag}/{name}", tag_scalar_dict[name])
-                   for i, name in enumerate(names)}
-        if isinstance(global_step, torch.Tensor):
-            metrics["s"], global_step = global_step, _IN_ROW
-        if isinstance(walltime, torch.Tensor):
-            metrics["w"], walltime = walltime, _IN_ROW
-        self._deferred.put(metrics, (_MANY, main_tag, global_step, walltime, names, None))
+        check_name(main_tag, "tag")
+        names = tuple(tag_scalar_dict)
+        for name in names:
+            check_name(name, "tag")
+        self._deferred.put((_MANY, main_tag, names),
+                           [_scalar(tag_scalar_dict[name]) for name in names],
+                           [f"{main_tag}/{name}" for name in names], global_step, walltime)
 
     # ---- delivery (the logger's thread) ------------------------------------------------------
 
-    def _replay(self, record: tuple, row) -> None:
-        kind, tag, step, wall, extra1, extra2 = record
-        values = row.values
-        if step is _IN_ROW:
-            step = int(values["s"])
-        if wall is None:
-            wall = row.time
-        elif wall is _IN_ROW:
-            wall = values["w"]
-        if kind == _ONE:
-            value = values["v"]
-            _TorchWriter.add_scalar(self, tag, value, step, wall, extra1, extra2)
+    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+        if record[0] == _ONE:
+            _, tag, new_style, double_precision = record
+            value = values[0]
+            _TorchWriter.add_scalar(self, tag, value, step, wall, new_style, double_precision)
             self.latest[tag] = value
         else:
-            scalars = {name: values[_COLUMNS[i]] for i, name in enumerate(extra1)}
+            _, tag, names = record
+            scalars = dict(zip(names, values))
             _TorchWriter.add_scalars(self, tag, scalars, step, wall)
             for name, value in scalars.items():
                 self.latest[f"{tag}/{name}"] = value
         if step is not None:
-            self.latest_step = int(step)
+            self.latest_step = step
 
     def _write_scalar(self, tag: str, value: float, step: int, walltime: float) -> None:
         """For syncless.sinks.TensorBoard: a value that is already a float, written at once."""

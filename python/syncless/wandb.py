@@ -17,13 +17,14 @@ everything first; `flush()` does it on demand.
 Until delivery the run has not seen the deferred calls: `run.step` and `run.summary` lag by up to
 `every` calls. Do not mix direct `wandb.log` calls with these on one run without `flush()` in
 between. Multi-element tensors are snapshotted on the device (no sync here) and converted by wandb
-on the delivery thread. Not for use inside CUDA graph capture.
+on the delivery thread. A call during CUDA graph capture raises RuntimeError.
 
 Any other attribute (`wandb.Image`, `wandb.config`, `wandb.run`, ...) is the real wandb's.
 """
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -33,24 +34,22 @@ try:
 except ImportError as exc:
     raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
 
-from ._deferred import Deferred
+from ._deferred import Deferred, Failures, check_every, check_name
 
 __all__ = ["init", "log", "flush", "finish"]
 
 _log = logging.getLogger("syncless")
 
-_MAX_TENSORS = 240             # the gather kernel takes at most 248 values per call
-_COLUMNS = tuple(str(i) for i in range(_MAX_TENSORS))
-_IN_ROW = object()             # step given as a tensor: read from the row
 _states: dict[int, "_RunState"] = {}     # id(run) -> its deferred calls
+_closed_errors = [0]                     # errors of the runs whose states are closed
 
 
 class _Slot:
     """Where a tensor's value goes back in the replayed call, and the type .item() gives."""
-    __slots__ = ("column", "cast")
+    __slots__ = ("index", "cast")
 
-    def __init__(self, column: str, cast: type):
-        self.column = column
+    def __init__(self, index: int, cast: type):
+        self.index = index
         self.cast = cast
 
 
@@ -60,21 +59,22 @@ def _item_type(dtype: torch.dtype) -> type:
     return bool if dtype == torch.bool else int
 
 
-def _split(data: Mapping, tensors: dict) -> dict:
-    """A copy of `data` with each one-element tensor moved into `tensors` (the logger's row) and
-    replaced by a _Slot. Reads only host metadata (numel, dtype): no sync."""
+def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
+    """A copy of `data` with each one-element tensor moved into `values` (the logger's row;
+    `names` gets its key) and replaced by a _Slot. Reads only host metadata: no sync."""
     out = {}
     for key, value in data.items():
+        if isinstance(key, str):
+            check_name(key, "key")
         if isinstance(value, torch.Tensor):
-            if (value.numel() == 1 and not value.is_complex()
-                    and len(tensors) < _MAX_TENSORS):
-                column = _COLUMNS[len(tensors)]
-                tensors[column] = value
-                out[key] = _Slot(column, _item_type(value.dtype))
+            if value.numel() == 1 and not value.is_complex():
+                out[key] = _Slot(len(values), _item_type(value.dtype))
+                values.append(value)
+                names.append(f"{prefix}{key}")
             else:
                 out[key] = value.detach().clone()   # a snapshot: later in-place updates miss it
         elif isinstance(value, dict):
-            out[key] = _split(value, tensors)
+            out[key] = _split(value, values, names, f"{prefix}{key}.")
         elif type(value).__name__ == "ndarray" and type(value).__module__ == "numpy":
             out[key] = value.copy()             # numpy arrays are mutable; tensors above
         else:
@@ -82,11 +82,11 @@ def _split(data: Mapping, tensors: dict) -> dict:
     return out
 
 
-def _fill(template: dict, values: dict) -> dict:
+def _fill(template: dict, values: list) -> dict:
     out = {}
     for key, value in template.items():
         if type(value) is _Slot:
-            out[key] = value.cast(values[value.column])
+            out[key] = value.cast(values[value.index])
         elif type(value) is dict:
             out[key] = _fill(value, values)
         else:
@@ -103,45 +103,55 @@ def _numbers(data: dict, out: dict, prefix: str = "") -> None:
             out[prefix + key] = value
 
 
+def _step(step: Any) -> int:
+    """wandb's rule for `step`, applied at the call: an integer (numpy ints too), not a bool."""
+    if not isinstance(step, bool):
+        try:
+            return operator.index(step)
+        except TypeError:
+            pass
+    raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
+
+
+def _describe(record: tuple) -> tuple[str, str]:
+    keys = ", ".join(repr(k) for k in record[0])
+    return keys, f"log({{{keys}}})"
+
+
 class _RunState:
     """One run's deferred log() calls, replayed to the run in order on the delivery thread."""
 
     def __init__(self, run: Any, every: int = 50, max_delay: float | None = 2.0):
         self.run = run
         self.latest: dict[str, float] = {}
-        self.errors = 0
         self.finished = False
-        self._deferred = Deferred(self._replay, every, max_delay)
+        self._deferred = Deferred(self._replay, _describe,
+                                  Failures("syncless.wandb", "syncless.wandb.errors"), every,
+                                  max_delay, step_name="step", step_of=_step)
+
+    @property
+    def errors(self) -> int:
+        return self._deferred.errors
 
     def log(self, data: Mapping[str, Any], step: Any = None, commit: bool | None = None) -> None:
         if not isinstance(data, Mapping):
             raise TypeError("wandb.log must be passed a dictionary")
         if any(not isinstance(key, str) for key in data):
             raise TypeError("Key values passed to `wandb.log` must be strings.")
-        tensors: dict[str, Any] = {}
-        template = _split(data, tensors)
-        if isinstance(step, torch.Tensor):
-            tensors["step"], step = step, _IN_ROW
         if self.finished:
             raise _wandb.errors.UsageError(
                 f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
                 "be ignored. Please make sure that you are using an active run.")
-        self._deferred.put(tensors, (template, step, commit))
+        values: list = []
+        names: list = []
+        template = _split(data, values, names)
+        self._deferred.put((template, commit), values, names, step)
 
-    def _replay(self, record: tuple, row) -> None:       # the logger's delivery thread
-        template, step, commit = record
-        data = _fill(template, row.values)
-        if step is _IN_ROW:
-            step = int(row.values["step"])
-        data.setdefault("_timestamp", row.time)
-        try:
-            self.run.log(data, step=step, commit=commit)
-        except Exception as exc:
-            self.errors += 1
-            if self.errors == 1:
-                _log.error("syncless.wandb: replaying a log() call raised %s: %s (reported "
-                           "once; later calls go on)", type(exc).__name__, exc)
-            return
+    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+        template, commit = record          # the logger's delivery thread
+        data = _fill(template, values)
+        data.setdefault("_timestamp", wall)
+        self.run.log(data, step=step, commit=commit)
         _numbers(data, self.latest)
 
     def flush(self) -> None:
@@ -152,12 +162,13 @@ class _RunState:
         self._deferred.close()
         if _states.get(id(self.run)) is self:
             del _states[id(self.run)]
+            _closed_errors[0] += self.errors
 
 
 def _deferred(run: Any, every: int | None = None) -> _RunState:
     state = _states.get(id(run))
     if state is None or state.run is not run:
-        state = _states[id(run)] = _RunState(run, every or 50)
+        state = _states[id(run)] = _RunState(run, 50 if every is None else every)
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
             # EARLY hooks run inside finish() while the run still accepts log().
@@ -170,6 +181,7 @@ def _deferred(run: Any, every: int | None = None) -> _RunState:
 def init(*args: Any, every: int = 50, **kwargs: Any) -> Any:
     """`wandb.init(*args, **kwargs)`, unchanged; `every` is how many log() calls share one
     device-to-host copy. Returns the real run."""
+    check_every(every, None)                      # before wandb.init starts a run
     run = _wandb.init(*args, **kwargs)
     if run is not None:
         _deferred(run, every)
@@ -202,7 +214,9 @@ def finish(*args: Any, **kwargs: Any) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name == "latest":                 # {key: value} of the latest replayed numbers
+    if name == "errors":     # calls the runs of this process refused at delivery, finished too
+        return _closed_errors[0] + sum(state.errors for state in list(_states.values()))
+    if name == "latest":                 # {key: value} of wandb.run's latest replayed numbers
         run = _wandb.run
         state = _states.get(id(run)) if run is not None else None
         return dict(state.latest) if state is not None else {}
