@@ -175,8 +175,9 @@ class Deferred:
             log = self._logger
             if log is None:
                 # sinks_on="all": on every rank of a distributed job, each writer writes its own.
+                # threads=True: callers may put() from any thread (serialised by our lock).
                 log = self._logger = Logger(every=self.every, sinks=[_Rows(self._deliver)],
-                                            sinks_on="all")
+                                            sinks_on="all", threads=True)
             first = seq = self._seq
             try:
                 if len(cells) <= MAX_CELLS:
