@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
-from . import _C
+from . import _C, _compile
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
@@ -161,6 +161,7 @@ class Logger:
         self.latest: dict[str, float] = {}
         self.latest_step = -1
         _live.add(self)
+        _compile.track(self)
         if device is not None:
             dev = torch.device(device)
             if dev.type == "cuda":
@@ -179,6 +180,8 @@ class Logger:
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log one row: {name: value} at `step` (default: the step after the last one)."""
+        if _compile.tracing():               # inside torch.compile: one custom op in the graph
+            return _compile.log(self, metrics, step)
         if self._closed:
             raise ValueError("this Logger is closed; create a new one to log again")
         if type(metrics) is not dict:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import _C
+from . import _C, _compile
 from .logger import Logger, Row     # importing the logger also hands torch's stream source to _C
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
@@ -324,6 +324,8 @@ class Timer:
     # -- the hot path: enter + exit is two cuEventRecord calls and about twenty lines of Python
 
     def _begin(self) -> Timing:
+        if _compile.tracing():               # inside torch.compile: a graph break, said why
+            return _compile.timer_begin(self)
         device = self._device
         if device is None:
             device = _auto_device()
@@ -340,6 +342,8 @@ class Timer:
         return rec
 
     def _end(self, rec: Timing) -> None:
+        if _compile.tracing():
+            return _compile.timer_end(self, rec)
         cpu_ms = (perf_counter() - rec._t0) * 1e3
         if rec._pair is not None:
             rec._pair.stop()
