@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-__all__ = ["tracing", "track", "log", "timer_begin", "timer_end"]
+__all__ = ["tracing", "track", "log", "timer_new", "timer_begin", "timer_end"]
 
 # The check on the eager hot path: a Python function returning False (tens of ns), which Dynamo
 # folds to True. torch.compiler.is_compiling() costs several times more (it asks TorchScript).
@@ -93,17 +93,15 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     if logger is None:
         raise RuntimeError("syncless: log() inside torch.compile on an object that is not a "
                            "live syncless.Logger")
-    if logger.closed:
-        raise ValueError("this Logger is closed; create a new one to log again")
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"metric names must be str, got {name!r}")
+    # Bad names, closed loggers and mixed devices are refused when the op runs, by the eager
+    # path, with its errors: an exception raised here would reach the user wrapped by Dynamo.
     cuda = [d for d in devices if d.startswith("cuda")]
-    if len(set(cuda)) > 1:
-        raise ValueError(f"metrics {names!r} are on several devices ({sorted(set(cuda))}); "
-                         "log each device's metrics with its own Logger")
     device = cuda[0] if cuda else "cpu"
-    host_tensors = bool(cuda) and any(d == "cpu" for d in devices)
+    host_tensors = bool(cuda) and "cpu" in devices
+    if cuda and logger._ring is None and not logger.closed:
+        # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
+        # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
+        logger._bind(torch.device(device).index)
     key = (logger_id, names, devices)
     index = _keys.get(key)
     if index is not None and _sites[index].logger() is logger:
@@ -192,6 +190,12 @@ def _disable(fn):
         return torch.compiler.disable(fn, reason=_TIMER_REASON)
     except TypeError:                                     # torch < 2.8: no reason=
         return torch.compiler.disable(fn)
+
+
+@_disable
+def timer_new(cls: type, name: Any, device: Any, log: Any, step: Any) -> Any:
+    """syncless.timer(...) while Dynamo traces: a graph break, then the eager factory."""
+    return cls()(name) if callable(name) else cls(name, device, log, step)
 
 
 @_disable

@@ -467,6 +467,8 @@ def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger
             waiting; several uses at one step add up
     step    log at this step instead
     """
+    if _compile.tracing():                   # inside torch.compile: a graph break, said why
+        return _compile.timer_new(Timer, name, device, log, step)
     if callable(name):
         return Timer()(name)
     return Timer(name, device, log, step)          # positional: a third faster than keywords
