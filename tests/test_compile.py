@@ -18,6 +18,7 @@ pytestmark = [
                        reason="torch.compile support needs torch >= 2.4"),
     # inductor's own imports (torch.utils.mkldnn) warn on some torch versions
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),   # inductor, GPU
 ]
 
 
@@ -190,6 +191,7 @@ def test_reduce_overhead_replays_append_one_row_each_with_exact_steps():
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert counters["inductor"]["cudagraph_skips"] == skips, "the graph must be CUDA-graphed"
+    assert log._gen.captured, "the gather must have been captured into the CUDA graph"
     log.close()
     assert [r.step for r in sink.rows] == list(range(120))
     assert [r.values["loss"] for r in sink.rows] == [float(v) for v in losses]
@@ -212,6 +214,7 @@ def test_reduce_overhead_rows_past_capacity_are_counted_as_lost():
 
 
 @pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_explicit_step_inside_a_cuda_graph_is_refused():
     log = syncless.Logger()
     fn = torch.compile(lambda x, s: log(x=x.sum(), step=s), mode="reduce-overhead")

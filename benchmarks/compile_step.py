@@ -1,0 +1,311 @@
+"""log() inside a compiled training step: the custom op against no logging and a graph break.
+
+    python benchmarks/compile_step.py [--quick] [--device cuda|cpu] [--out [DIR]]
+
+The step: an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead" on a
+GPU: CUDA graphs for forward and backward), then loss.backward() and a foreach SGD step. Three
+variants of the compiled forward, each with its own model copy and Logger:
+  no log           the forward alone: the floor
+  log() inside     log(loss=, acc=, scale=, lr=) inside the compiled forward: the
+                   syncless::log custom op, captured in the CUDA graph (0 graph breaks);
+                   log.flush(wait=False) every 100 steps outside it, since replays do not flush
+  graph break      the same log() wrapped in torch.compiler.disable: what a graph break
+                   amounts to (the graph splits around an eager log() call, as before the op)
+Interleaved rounds: each round runs a block of steps of every variant in a shuffled order,
+synchronising before and after a block; medians over rounds, and per-round ratios to "no log"
+with the 95% confidence interval of their median. Graph breaks are counted by
+torch._dynamo.explain on a copy of each forward. Every logged row is checked: steps 0..n-1 in
+order, none lost, and the last row's loss equal to the last step's.
+
+Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
+in front of it), the same row through the custom op called eagerly (the dispatcher's cost), and
+the hook's check alone. --out writes compile_step.json and compile_step.md (default directory:
+benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratios,  # noqa: E402
+                                pct, pct_ci, summarize, write_json)
+
+FLUSH_EVERY = 100
+
+
+class Rows:
+    """A sink that keeps (step, loss) only: the check, without I/O in the timed loop."""
+
+    def __init__(self):
+        self.steps = []
+        self.last = None
+
+    def write(self, rows):
+        self.steps.extend(r.step for r in rows)
+        self.last = rows[-1]
+
+
+def make_model(device, width, depth):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def make_forward(model, log, how):
+    """The function torch.compile sees: forward + loss, with log() as `how` says."""
+    eager_log = torch.compiler.disable(lambda **kw: log(**kw))
+
+    def forward(x, y):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        if how != "no log":
+            acc = (logits.argmax(1) == y).float().mean()
+            scale = logits.abs().mean()
+            (log if how == "log() inside" else eager_log)(loss=loss, acc=acc, scale=scale,
+                                                          lr=0.01)
+        return loss
+
+    return forward
+
+
+def graph_breaks(model, how, x, y):
+    import syncless
+    with syncless.Logger() as log:
+        explanation = torch._dynamo.explain(make_forward(copy.deepcopy(model), log, how))(x, y)
+    torch._dynamo.reset()
+    # break_reasons, not graph_break_count: a break with no op after it adds no graph, and
+    # graph_break_count counts graphs beyond the first.
+    return len(explanation.break_reasons), explanation.graph_count
+
+
+class Variant:
+    def __init__(self, name, base, device, mode):
+        import syncless
+        self.name = name
+        self.model = copy.deepcopy(base)
+        self.sink = Rows()
+        self.log = None if name == "no log" else syncless.Logger(every=FLUSH_EVERY,
+                                                                 sinks=self.sink,
+                                                                 capacity=4 * FLUSH_EVERY)
+        self.fn = torch.compile(make_forward(self.model, self.log, name), mode=mode)
+        self.params = [p for p in self.model.parameters()]
+        self.steps = 0
+        self.last_loss = None
+
+    def step(self, x, y):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = self.fn(x, y)
+        loss.backward()
+        with torch.no_grad():
+            grads = [p.grad for p in self.params]
+            torch._foreach_add_(self.params, grads, alpha=-0.01)
+            for p in self.params:
+                p.grad = None
+        self.steps += 1
+        if self.name == "log() inside" and self.steps % FLUSH_EVERY == 0:
+            self.log.flush(wait=False)                   # enqueues one copy; never waits
+        return loss
+
+
+def block(variant, batches, sync):
+    sync()
+    t0 = time.perf_counter()
+    loss = None
+    for x, y in batches:
+        loss = variant.step(x, y)
+    sync()
+    variant.last_loss = float(loss.detach())
+    return (time.perf_counter() - t0) / len(batches) * 1e6
+
+
+def eager_costs(device, calls, rounds):
+    """µs per call: log.log(4 metrics) eagerly, the same through the custom op, the hook check."""
+    import syncless
+    from syncless import _compile
+
+    values = [torch.full((), float(i), device=device) for i in range(4)]
+    metrics = dict(zip(("loss", "acc", "scale", "gnorm"), values))
+    log = syncless.Logger(every=1000, capacity=2000)
+    log.log(metrics)
+    site = _compile._site(id(log), tuple(metrics), tuple(str(v.device) for v in values))
+    token = getattr(_compile._by_site, f"t{site}")
+    op = torch.ops.syncless.log.default
+
+    def direct():
+        for _ in range(calls):
+            log.log(metrics)
+
+    def through_op():
+        for _ in range(calls):
+            op(token, values, site, None)
+
+    def check():
+        tracing = _compile.tracing
+        for _ in range(calls):
+            tracing()
+
+    def empty():
+        for _ in range(calls):
+            pass
+
+    fns = {"log.log() eager (C call)": direct, "custom op, called eagerly": through_op,
+           "compile hook check": check, "empty loop": empty}
+    out = {name: [] for name in fns}
+    rng = random.Random(1)
+    for _ in range(rounds):
+        order = list(fns)
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name]()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
+            log.flush()
+    log.close()
+    loop = summarize(out["empty loop"])["median"]
+    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items() if name != "empty loop"}
+    return res
+
+
+def main(argv=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few rounds: a smoke test")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="steps per block")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
+                   help="directory for compile_step.json/.md (default benchmarks/results)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rounds = args.rounds or (6 if args.quick else 30)
+    steps = args.steps or (20 if args.quick else 50)
+    mode = "reduce-overhead" if cuda else None
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+    base = make_model(device, args.width, args.depth)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
+                torch.randint(0, 10, (args.batch,), generator=gen).to(device))
+               for _ in range(steps)]
+    names = ["no log", "log() inside", "graph break"]
+
+    breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
+    for name, (b, g) in breaks.items():
+        print(f"  {name}: {b} graph breaks, {g} graphs", flush=True)
+
+    from torch._dynamo.utils import counters
+    variants = {name: Variant(name, base, device, mode) for name in names}
+    skips = {}
+    for name, v in variants.items():                     # compile, warm up, record the graphs
+        before = counters["inductor"]["cudagraph_skips"]
+        block(v, batches[:3], sync)
+        skips[name] = counters["inductor"]["cudagraph_skips"] - before
+    rng = random.Random(0)
+    per_step = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            per_step[name].append(block(variants[name], batches, sync))
+        if r == 0 or (r + 1) % 10 == 0:
+            print(f"  round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
+
+    checks = {}
+    for name in ("log() inside", "graph break"):
+        v = variants[name]
+        v.log.close()
+        st = v.log.stats
+        checks[name] = {"rows": len(v.sink.steps), "steps_taken": v.steps,
+                        "steps_exact": v.sink.steps == list(range(v.steps)),
+                        "lost": st.lost,
+                        "last_loss_exact": v.sink.last is not None
+                        and v.sink.last.values["loss"] == v.last_loss}
+
+    results = {}
+    for name in names:
+        s = summarize(per_step[name])
+        ratios = paired_ratios(per_step, name, "no log")
+        ci = median_ci(ratios)
+        results[name] = {"step_us": s, "ratio_to_no_log": summarize(ratios),
+                         "ratio_ci95": list(ci) if ci else None,
+                         "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
+                         "cudagraph_skips": skips[name] if cuda else None}
+        if name in checks:
+            results[name]["rows"] = checks[name]
+
+    eager = eager_costs(device, 2000 if not args.quick else 300, 15 if not args.quick else 4)
+
+    rows = []
+    for name in names:
+        r = results[name]
+        rows.append([name, num(r["step_us"]["median"]),
+                     "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
+                     "" if name == "no log" else pct_ci(r["ratio_ci95"]),
+                     r["graph_breaks"], r["graphs"],
+                     "" if name not in checks else
+                     f"{checks[name]['rows']}/{checks[name]['steps_taken']}, "
+                     f"exact={checks[name]['steps_exact'] and checks[name]['last_loss_exact']}, "
+                     f"lost={checks[name]['lost']}"])
+    if cuda:
+        for row, name in zip(rows, names):
+            row.insert(6, results[name]["cudagraph_skips"])
+    table = md_table(["variant", "µs per step (median)", "vs no log", "95% CI", "graph breaks",
+                      "graphs"] + (["cudagraph skips"] if cuda else []) +
+                     ["rows (delivered/steps)"], rows)
+    etable = md_table(["eager call", "µs per call (median)", "p25–p75"],
+                      [[k, num(v["median"]), f"{num(v['p25'])}–{num(v['p75'])}"]
+                       for k, v in eager.items()])
+    inside = results["log() inside"]
+    brk = results["graph break"]
+    verdict = [
+        f"log() inside the compiled step: {pct(inside['ratio_to_no_log']['median'], 2)} step time "
+        f"vs no logging, 95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%), "
+        f"{inside['graph_breaks']} graph breaks",
+        f"graph-breaking log(): {pct(brk['ratio_to_no_log']['median'], 2)} vs no logging, "
+        f"95% CI {pct_ci(brk['ratio_ci95'])}, {brk['graph_breaks']} graph break(s)",
+        f"eager log.log() {num(eager['log.log() eager (C call)']['median'])} µs per call vs the "
+        f"custom op called eagerly {num(eager['custom op, called eagerly']['median'])} µs; "
+        f"the hook's check {num(eager['compile hook check']['median'] * 1e3)} ns",
+    ]
+    print(table)
+    print(etable)
+    print("\n".join(verdict))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        argv_used = sys.argv[1:] if argv is None else argv
+        env = env_info(device, ["compile_step", *argv_used])
+        env["command"] = " ".join(["python", "benchmarks/compile_step.py", *argv_used])
+        env.update(mode=mode, rounds=rounds, steps_per_block=steps, width=args.width,
+                   depth=args.depth, batch=args.batch, flush_every=FLUSH_EVERY)
+        write_json(os.path.join(args.out, "compile_step.json"),
+                   {"env": env, "results": results, "eager_us": eager, "verdict": verdict})
+        with open(os.path.join(args.out, "compile_step.md"), "w", encoding="utf-8") as f:
+            f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
+                    f"{env['date']}\n\n"
+                    f"MLP {args.depth}×{args.width}, batch {args.batch}, compiled forward+loss "
+                    f"(mode={mode!r}), eager backward and foreach SGD; {rounds} interleaved rounds "
+                    f"of {steps} steps (`{env['command']}`).\n\n{table}\n\n{etable}\n\n"
+                    + "\n".join(f"- {v}" for v in verdict) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
