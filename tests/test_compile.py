@@ -5,7 +5,10 @@ small functions; a test's Logger must be closed by the test, so compiled functio
 their Logger, are not shared between tests). CUDA tests prove the reduce-overhead path: the gather
 is captured in the CUDA graph and every replay appends one row with its step.
 """
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,6 +141,19 @@ def test_timer_inside_compiled_code_is_a_stated_graph_break():
     assert torch.equal(out, (torch.ones(3).sin() + 1) * 2)
     stats = syncless.timer("compiled-block").stats
     assert stats.count == 3 and stats.min > 0
+
+
+def test_import_does_not_load_dynamo_and_the_trace_time_flag_is_dynamos():
+    # Importing torch._dynamo takes seconds; syncless sets assume_constant_result's flag itself.
+    code = "import sys, syncless; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    from syncless import _compile
+    marked = torch._dynamo.assume_constant_result(lambda: 0)
+    assert {k for k in vars(marked)} == {"_dynamo_marked_constant"}
+    assert _compile._site._dynamo_marked_constant is marked._dynamo_marked_constant
 
 
 # ---- CUDA: the default inductor mode, and reduce-overhead's CUDA graphs --------------------------

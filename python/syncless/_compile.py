@@ -86,7 +86,16 @@ def _token(logger: Any, device: str) -> torch.Tensor:
     return token
 
 
-@torch._dynamo.assume_constant_result
+def _trace_time(fn):
+    """torch._dynamo.assume_constant_result, which only sets this flag (torch 2.0 to 2.13):
+    Dynamo then calls fn for real while tracing and puts its result in the graph as a constant.
+    Set here by hand because importing torch._dynamo takes seconds, and syncless is imported
+    by DataLoader workers and scripts that never compile."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_trace_time
 def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     """Trace time, real Python: the number of the call site (the graph's constant)."""
     logger = _loggers.get(logger_id)
@@ -185,25 +194,41 @@ _TIMER_REASON = ("syncless.timer() inside torch.compile: its CUDA events would m
                  "record timing events; time the compiled call from outside the compiled code")
 
 
-def _disable(fn):
-    try:
-        return torch.compiler.disable(fn, reason=_TIMER_REASON)
-    except TypeError:                                     # torch < 2.8: no reason=
-        return torch.compiler.disable(fn)
+class _Disabled:
+    """The timer's eager functions wrapped in torch.compiler.disable, made at the first trace
+    that meets a timer (torch.compiler.disable imports torch._dynamo: seconds)."""
 
 
-@_disable
+_disabled = _Disabled()
+
+
+@_trace_time
+def _make_disabled() -> int:
+    if not hasattr(_disabled, "begin"):
+        def wrap(fn):
+            try:
+                return torch.compiler.disable(fn, reason=_TIMER_REASON)
+            except TypeError:                             # torch < 2.8: no reason=
+                return torch.compiler.disable(fn)
+        _disabled.new = wrap(lambda cls, name, device, log, step:
+                             cls()(name) if callable(name) else cls(name, device, log, step))
+        _disabled.begin = wrap(lambda timer: timer._begin())
+        _disabled.end = wrap(lambda timer, rec: timer._end(rec))
+    return 0
+
+
 def timer_new(cls: type, name: Any, device: Any, log: Any, step: Any) -> Any:
     """syncless.timer(...) while Dynamo traces: a graph break, then the eager factory."""
-    return cls()(name) if callable(name) else cls(name, device, log, step)
+    _make_disabled()
+    return _disabled.new(cls, name, device, log, step)
 
 
-@_disable
 def timer_begin(timer: Any) -> Any:
     """Timer._begin while Dynamo traces: a graph break, then the eager timer."""
-    return timer._begin()
+    _make_disabled()
+    return _disabled.begin(timer)
 
 
-@_disable
 def timer_end(timer: Any, rec: Any) -> None:
-    return timer._end(rec)
+    _make_disabled()
+    return _disabled.end(timer, rec)
