@@ -60,7 +60,7 @@ class _Site:
         self.logger = weakref.ref(logger)
         self.names = names
         self.device = device
-        self.host_tensors = host_tensors    # a CPU tensor beside CUDA ones: not capturable
+        self.host_tensors = host_tensors    # read at capture, replayed unchanged: refused there
         self.token = token
 
 
@@ -96,6 +96,15 @@ def _trace_time(fn):
 
 
 @_trace_time
+def _number_device(logger_id: int, cuda: Optional[str]) -> str:
+    """Trace time: where a Python number's tensor goes: the values' GPU, else the logger's."""
+    if cuda is not None:
+        return cuda
+    logger = _loggers.get(logger_id)
+    return "cpu" if logger is None else str(logger.device)
+
+
+@_trace_time
 def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     """Trace time, real Python: the number of the call site (the graph's constant)."""
     logger = _loggers.get(logger_id)
@@ -106,7 +115,7 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     # path, with its errors: an exception raised here would reach the user wrapped by Dynamo.
     cuda = [d for d in devices if d.startswith("cuda")]
     device = cuda[0] if cuda else "cpu"
-    host_tensors = bool(cuda) and "cpu" in devices
+    host_tensors = "cpu" in devices
     if cuda and logger._ring is None and not logger.closed:
         # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
         # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
@@ -170,17 +179,19 @@ def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     names = tuple(metrics)
     items = list(metrics.values())
-    device = None
+    cuda = None
     for v in items:
         if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            device = v.device
+            cuda = str(v.device)
             break
+    device = _number_device(id(logger), cuda)
     values = []
     devices = []
     for v in items:
         if not isinstance(v, torch.Tensor):
-            # A Python number: a graph value (a constant, or a symbolic one Dynamo made dynamic).
-            v = torch.full((), v, dtype=torch.float64, device=device or "cpu")
+            # A Python number: a graph value (a constant, or a symbolic one Dynamo made dynamic),
+            # made on the logger's device so that a CUDA graph does not skip a CPU op.
+            v = torch.full((), v, dtype=torch.float64, device=device)
         values.append(v)
         devices.append(str(v.device))
     index = _site(id(logger), names, tuple(devices))
