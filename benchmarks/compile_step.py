@@ -41,6 +41,9 @@ from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratio
                                 pct, pct_ci, summarize, write_json)
 
 FLUSH_EVERY = 100
+SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
+                           "graph) and foreach SGD",
+                  "infer": "inference step (no_grad): the whole compiled step, one CUDA graph"}
 
 
 class Rows:
@@ -92,10 +95,13 @@ def graph_breaks(model, how, x, y):
 
 
 class Variant:
-    def __init__(self, name, base, device, mode):
+    def __init__(self, name, base, device, mode, train):
         import syncless
         self.name = name
+        self.train = train
         self.model = copy.deepcopy(base)
+        if not train:
+            self.model.requires_grad_(False)
         self.sink = Rows()
         self.log = None if name == "no log" else syncless.Logger(every=FLUSH_EVERY,
                                                                  sinks=self.sink,
@@ -107,13 +113,17 @@ class Variant:
 
     def step(self, x, y):
         torch.compiler.cudagraph_mark_step_begin()
-        loss = self.fn(x, y)
-        loss.backward()
-        with torch.no_grad():
-            grads = [p.grad for p in self.params]
-            torch._foreach_add_(self.params, grads, alpha=-0.01)
-            for p in self.params:
-                p.grad = None
+        if self.train:
+            loss = self.fn(x, y)
+            loss.backward()
+            with torch.no_grad():
+                grads = [p.grad for p in self.params]
+                torch._foreach_add_(self.params, grads, alpha=-0.01)
+                for p in self.params:
+                    p.grad = None
+        else:
+            with torch.no_grad():
+                loss = self.fn(x, y)
         self.steps += 1
         if self.name == "log() inside" and self.steps % FLUSH_EVERY == 0:
             self.log.flush(wait=False)                   # enqueues one copy; never waits
@@ -129,6 +139,96 @@ def block(variant, batches, sync):
     sync()
     variant.last_loss = float(loss.detach())
     return (time.perf_counter() - t0) / len(batches) * 1e6
+
+
+def tree_state(device):
+    """cudagraph trees' own counters: graphs recorded, warm-up runs, slow-path falls."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+        manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+    except Exception as exc:                             # private API: report, do not fail
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if manager is None:
+        return {"manager": None}
+
+    def nxt(counter):                                    # itertools.count's next value
+        return int(repr(counter)[6:-1].split(",")[0])
+    return {"recorded": nxt(manager.graph_counter),
+            "warmups": -1 - nxt(manager.warmup_node_counter),
+            "fast_path_fails": getattr(manager, "debug_fail_counter", None),
+            "checkpoints": getattr(manager, "debug_checkpointing_counter", None)}
+
+
+def section(kind, base, batches, device, mode, rounds, sync):
+    """One interleaved comparison of the three variants; kind: 'train' or 'infer'."""
+    from torch._dynamo.utils import counters
+    train = kind == "train"
+    names = ["no log", "log() inside", "graph break"]
+    with torch.set_grad_enabled(train):
+        breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
+    for name, (b, g) in breaks.items():
+        print(f"  [{kind}] {name}: {b} graph breaks, {g} graphs", flush=True)
+    variants = {name: Variant(name, base, device, mode, train) for name in names}
+    skips = {}
+    for name, v in variants.items():                     # compile, warm up, record the graphs
+        before = counters["inductor"]["cudagraph_skips"]
+        block(v, batches[:3], sync)
+        skips[name] = counters["inductor"]["cudagraph_skips"] - before
+    trees_before = tree_state(device)
+    rng = random.Random(0)
+    per_step = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            per_step[name].append(block(variants[name], batches, sync))
+        if r == 0 or (r + 1) % 10 == 0:
+            print(f"  [{kind}] round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
+    trees_after = tree_state(device)
+    results = {"cudagraph_trees": {"after_warmup": trees_before, "after_rounds": trees_after}}
+    for name in names:
+        v = variants[name]
+        s = summarize(per_step[name])
+        ratios = paired_ratios(per_step, name, "no log")
+        ci = median_ci(ratios)
+        r = results[name] = {"step_us": s, "ratio_to_no_log": summarize(ratios),
+                             "ratio_ci95": list(ci) if ci else None,
+                             "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
+                             "cudagraph_skips": skips[name] if device.type == "cuda" else None}
+        if v.log is not None:
+            captured = v.log._gen is not None and v.log._gen.captured
+            v.log.close()
+            st = v.log.stats
+            r["rows"] = {"delivered": len(v.sink.steps), "steps_taken": v.steps,
+                         "host_calls": st.steps, "captured": captured,
+                         "steps_exact": v.sink.steps == list(range(v.steps)), "lost": st.lost,
+                         "last_loss_exact": v.sink.last is not None
+                         and v.sink.last.values["loss"] == v.last_loss}
+    return results
+
+
+def section_table(results, cuda):
+    names = ["no log", "log() inside", "graph break"]
+    rows = []
+    for name in names:
+        r = results[name]
+        c = r.get("rows")
+        row = [name, num(r["step_us"]["median"]),
+               "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
+               "" if name == "no log" else pct_ci(r["ratio_ci95"]), r["graph_breaks"], r["graphs"]]
+        if cuda:
+            row.append(r["cudagraph_skips"])
+        row.append("" if c is None else
+                   f"{c['delivered']}/{c['steps_taken']}, exact="
+                   f"{c['steps_exact'] and c['last_loss_exact']}, lost={c['lost']}, "
+                   f"host calls={c['host_calls']}")
+        rows.append(row)
+    return md_table(["variant", "µs per step (median)", "vs no log", "95% CI", "graph breaks",
+                     "graphs"] + (["cudagraph skips"] if cuda else []) +
+                    ["rows (delivered/steps, host log() calls)"], rows)
 
 
 def eager_costs(device, calls, rounds):
@@ -189,6 +289,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--sections", default="infer,train", help="comma-separated: infer, train")
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
                    help="directory for compile_step.json/.md (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -197,6 +298,10 @@ def main(argv=None):
     rounds = args.rounds or (6 if args.quick else 30)
     steps = args.steps or (20 if args.quick else 50)
     mode = "reduce-overhead" if cuda else None
+    kinds = [k for k in args.sections.split(",") if k]
+    for key in ("recompile_limit", "cache_size_limit"):   # one code object, many closures
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 64)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
     base = make_model(device, args.width, args.depth)
@@ -204,88 +309,33 @@ def main(argv=None):
     batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
                 torch.randint(0, 10, (args.batch,), generator=gen).to(device))
                for _ in range(steps)]
-    names = ["no log", "log() inside", "graph break"]
-
-    breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
-    for name, (b, g) in breaks.items():
-        print(f"  {name}: {b} graph breaks, {g} graphs", flush=True)
-
-    from torch._dynamo.utils import counters
-    variants = {name: Variant(name, base, device, mode) for name in names}
-    skips = {}
-    for name, v in variants.items():                     # compile, warm up, record the graphs
-        before = counters["inductor"]["cudagraph_skips"]
-        block(v, batches[:3], sync)
-        skips[name] = counters["inductor"]["cudagraph_skips"] - before
-    rng = random.Random(0)
-    per_step = {name: [] for name in names}
-    for r in range(rounds):
-        order = names[:]
-        rng.shuffle(order)
-        for name in order:
-            per_step[name].append(block(variants[name], batches, sync))
-        if r == 0 or (r + 1) % 10 == 0:
-            print(f"  round {r + 1}/{rounds}: " + ", ".join(
-                f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
-
-    checks = {}
-    for name in ("log() inside", "graph break"):
-        v = variants[name]
-        v.log.close()
-        st = v.log.stats
-        checks[name] = {"rows": len(v.sink.steps), "steps_taken": v.steps,
-                        "steps_exact": v.sink.steps == list(range(v.steps)),
-                        "lost": st.lost,
-                        "last_loss_exact": v.sink.last is not None
-                        and v.sink.last.values["loss"] == v.last_loss}
-
-    results = {}
-    for name in names:
-        s = summarize(per_step[name])
-        ratios = paired_ratios(per_step, name, "no log")
-        ci = median_ci(ratios)
-        results[name] = {"step_us": s, "ratio_to_no_log": summarize(ratios),
-                         "ratio_ci95": list(ci) if ci else None,
-                         "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
-                         "cudagraph_skips": skips[name] if cuda else None}
-        if name in checks:
-            results[name]["rows"] = checks[name]
+    sections = {}
+    for kind in kinds:
+        sections[kind] = section(kind, base, batches, device, mode, rounds, sync)
+        torch._dynamo.reset()
 
     eager = eager_costs(device, 2000 if not args.quick else 300, 15 if not args.quick else 4)
-
-    rows = []
-    for name in names:
-        r = results[name]
-        rows.append([name, num(r["step_us"]["median"]),
-                     "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
-                     "" if name == "no log" else pct_ci(r["ratio_ci95"]),
-                     r["graph_breaks"], r["graphs"],
-                     "" if name not in checks else
-                     f"{checks[name]['rows']}/{checks[name]['steps_taken']}, "
-                     f"exact={checks[name]['steps_exact'] and checks[name]['last_loss_exact']}, "
-                     f"lost={checks[name]['lost']}"])
-    if cuda:
-        for row, name in zip(rows, names):
-            row.insert(6, results[name]["cudagraph_skips"])
-    table = md_table(["variant", "µs per step (median)", "vs no log", "95% CI", "graph breaks",
-                      "graphs"] + (["cudagraph skips"] if cuda else []) +
-                     ["rows (delivered/steps)"], rows)
+    tables = {kind: section_table(res, cuda) for kind, res in sections.items()}
     etable = md_table(["eager call", "µs per call (median)", "p25–p75"],
                       [[k, num(v["median"]), f"{num(v['p25'])}–{num(v['p75'])}"]
                        for k, v in eager.items()])
-    inside = results["log() inside"]
-    brk = results["graph break"]
-    verdict = [
-        f"log() inside the compiled step: {pct(inside['ratio_to_no_log']['median'], 2)} step time "
-        f"vs no logging, 95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%), "
-        f"{inside['graph_breaks']} graph breaks",
-        f"graph-breaking log(): {pct(brk['ratio_to_no_log']['median'], 2)} vs no logging, "
-        f"95% CI {pct_ci(brk['ratio_ci95'])}, {brk['graph_breaks']} graph break(s)",
+    verdict = []
+    for kind, res in sections.items():
+        inside, brk = res["log() inside"], res["graph break"]
+        what = "training step" if kind == "train" else "inference step"
+        verdict.append(
+            f"{what}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
+            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%), "
+            f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} host log() "
+            f"calls for {inside['rows']['steps_taken']} rows; graph-breaking log() "
+            f"{pct(brk['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(brk['ratio_ci95'])}, "
+            f"{brk['graph_breaks']} graph break(s)")
+    verdict.append(
         f"eager log.log() {num(eager['log.log() eager (C call)']['median'])} µs per call vs the "
         f"custom op called eagerly {num(eager['custom op, called eagerly']['median'])} µs; "
-        f"the hook's check {num(eager['compile hook check']['median'] * 1e3)} ns",
-    ]
-    print(table)
+        f"the hook's check {num(eager['compile hook check']['median'] * 1e3)} ns")
+    for kind, table in tables.items():
+        print(f"[{kind}]\n{table}")
     print(etable)
     print("\n".join(verdict))
     if args.out:
@@ -296,15 +346,17 @@ def main(argv=None):
         env.update(mode=mode, rounds=rounds, steps_per_block=steps, width=args.width,
                    depth=args.depth, batch=args.batch, flush_every=FLUSH_EVERY)
         write_json(os.path.join(args.out, "compile_step.json"),
-                   {"env": env, "results": results, "eager_us": eager, "verdict": verdict})
+                   {"env": env, "sections": sections, "eager_us": eager, "verdict": verdict})
         with open(os.path.join(args.out, "compile_step.md"), "w", encoding="utf-8") as f:
             f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
                     f"{env['date']}\n\n"
                     f"MLP {args.depth}×{args.width}, batch {args.batch}, compiled forward+loss "
-                    f"(mode={mode!r}), eager backward and foreach SGD; {rounds} interleaved rounds "
-                    f"of {steps} steps (`{env['command']}`).\n\n{table}\n\n{etable}\n\n"
+                    f"(mode={mode!r}); {rounds} interleaved rounds of {steps} steps "
+                    f"(`{env['command']}`).\n\n"
+                    + "".join(f"## {SECTION_TITLES[k]}\n\n{t}\n\n" for k, t in tables.items())
+                    + f"## eager per-call cost\n\n{etable}\n\n"
                     + "\n".join(f"- {v}" for v in verdict) + "\n")
-    return results
+    return sections
 
 
 if __name__ == "__main__":

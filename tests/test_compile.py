@@ -22,6 +22,8 @@ pytestmark = [
     # inductor's own imports (torch.utils.mkldnn) warn on some torch versions
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),   # inductor, GPU
+    # cudagraph trees capture an empty graph when their manager starts (torch 2.11)
+    pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning"),
 ]
 
 
@@ -230,7 +232,6 @@ def test_reduce_overhead_rows_past_capacity_are_counted_as_lost():
 
 
 @pytest.mark.cuda
-@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_explicit_step_inside_a_cuda_graph_is_refused():
     log = syncless.Logger()
     fn = torch.compile(lambda x, s: log(x=x.sum(), step=s), mode="reduce-overhead")
