@@ -7,9 +7,13 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
 * At trace time `_site()` runs as real Python (torch._dynamo.assume_constant_result): it records
   the call site (the logger and the metric names) and returns its number, a constant of the
   graph, like the names. Values are graph tensors; a Python number becomes a 0-dim float64 tensor
-  on the values' device. The trace reads none of the logger's state (steps, columns), so new
-  steps, new values and metrics logged elsewhere never recompile; a new metric name inside the
-  compiled region needs no eager call first: it gets its column when the op first runs.
+  on the logger's device. The trace reads none of the logger's state (steps, columns), so new
+  values and metrics logged elsewhere never recompile; a new metric name inside the compiled
+  region needs no eager call first: it gets its column when the op first runs. Dynamo's own
+  rules still apply to what the user passes: an explicit step= int is specialised at the first
+  trace and made dynamic at the second value (one recompile), and a Python number read from
+  changing state (a scheduler's lr) is a guarded constant that recompiles when it changes: log
+  it outside the compiled function, or as a tensor.
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
@@ -19,8 +23,10 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   (reduce-overhead's recording) that gather is captured like a hand-captured log(): every replay
   appends one row whose step is the capture step + the replay index, counted on the device; the
   host sees no replay, so flushes wait for the next eager log() or flush() and rows overwritten
-  before one are counted in stats.lost. An explicit step= or a CPU tensor under capture would
-  be replayed unchanged, so both are refused there with an error.
+  before one are counted in stats.lost: call log.flush(wait=False) every few hundred steps.
+  The host's step counter stays at capture step + 1, so an eager log() on the same logger after
+  replays needs an explicit step. An explicit step= or a CPU tensor under capture would be
+  replayed unchanged, so both are refused there with an error.
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
