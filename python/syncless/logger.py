@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from . import _C
+from . import _C, _compile
 from ._delivery import RESERVED, Delivery, Pool, Row
 
 __all__ = ["Logger", "Row", "LoggerStats"]
@@ -172,6 +172,7 @@ class Logger:
         self._delivery = Delivery(sinks, self._names, self._pool, bool(gpu_time))
         self._pid = os.getpid()
         _live.add(self)
+        _compile.track(self)
         if device is not None:
             dev = torch.device(device)
             if dev.type == "cuda":
@@ -198,6 +199,8 @@ class Logger:
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log one row: {name: value} at `step` (default: the step after the last one)."""
+        if _compile.tracing():               # inside torch.compile: one custom op in the graph
+            return _compile.log(self, metrics, step)
         if self._closed:
             self._delivery.refuse_on_thread("log()")
             self._refuse_closed()

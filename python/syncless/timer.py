@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import _C
+from . import _C, _compile
 from .logger import Logger     # importing the logger also hands torch's stream source to _C
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
@@ -434,6 +434,8 @@ def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger
             waiting; several uses at one step add up
     step    log at this step instead
     """
+    if _compile.tracing():                   # inside torch.compile: a graph break, said why
+        return _compile.timer_new(Timer, name, device, log, step)
     if callable(name):
         return Timer()(name)
     if name is None and device is None and log is None and step is None:

@@ -1,0 +1,385 @@
+"""log() inside a compiled training step: the custom op against no logging and a graph break.
+
+    python benchmarks/compile_step.py [--quick] [--device cuda|cpu] [--out [DIR]]
+
+Two sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
+on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
+(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Four
+variants of the compiled forward, each with its own model copy and Logger:
+  no log           the forward and loss alone: the floor
+  metrics returned the same plus the metrics (accuracy, logit scale) computed and returned as
+                   outputs, not logged: what the metrics themselves cost the GPU
+  log() inside     log(loss=, acc=, scale=, lr=) inside the compiled forward: the
+                   syncless::log custom op, captured in the CUDA graph (0 graph breaks);
+                   log.flush(wait=False) every 100 steps outside it, since replays do not flush
+  graph break      the same log() wrapped in torch.compiler.disable: what a graph break
+                   amounts to (the graph splits around an eager log() call, as before the op)
+Interleaved rounds: each round runs a block of steps of every variant in a shuffled order,
+synchronising before and after a block; medians over rounds, and per-round ratios to "no log"
+and to "metrics returned" with the 95% confidence interval of their median. The host log()
+calls of a variant (Logger.stats.steps) show whether the gather was replayed inside the CUDA
+graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are counted by
+torch._dynamo.explain on a copy of each forward. Every logged row is checked: steps 0..n-1 in
+order, none lost, and the last row's loss equal to the last step's.
+
+Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
+in front of it), the same row through the custom op called eagerly (the dispatcher's cost), and
+the hook's check alone. --out writes compile_step.json and compile_step.md (default directory:
+benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratios,  # noqa: E402
+                                pct, pct_ci, summarize, write_json)
+
+FLUSH_EVERY = 100
+NAMES = ["no log", "metrics returned", "log() inside", "graph break"]
+SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
+                           "graph) and foreach SGD",
+                  "infer": "inference step (no_grad): the whole compiled step, one CUDA graph"}
+
+
+class Rows:
+    """A sink that keeps (step, loss) only: the check, without I/O in the timed loop."""
+
+    def __init__(self):
+        self.steps = []
+        self.last = None
+
+    def write(self, rows):
+        self.steps.extend(r.step for r in rows)
+        self.last = rows[-1]
+
+
+def make_model(device, width, depth):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def make_forward(model, log, how):
+    """The function torch.compile sees: forward + loss, with log() as `how` says."""
+    eager_log = torch.compiler.disable(lambda **kw: log(**kw))
+
+    def forward(x, y):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        if how == "no log":
+            return loss
+        acc = (logits.argmax(1) == y).float().mean()
+        scale = logits.abs().mean()
+        if how == "metrics returned":
+            return loss, acc, scale
+        (log if how == "log() inside" else eager_log)(loss=loss, acc=acc, scale=scale, lr=0.01)
+        return loss
+
+    return forward
+
+
+def graph_breaks(model, how, x, y):
+    import syncless
+    with syncless.Logger() as log:
+        explanation = torch._dynamo.explain(make_forward(copy.deepcopy(model), log, how))(x, y)
+    torch._dynamo.reset()
+    # break_reasons, not graph_break_count: a break with no op after it adds no graph, and
+    # graph_break_count counts graphs beyond the first.
+    return len(explanation.break_reasons), explanation.graph_count
+
+
+class Variant:
+    def __init__(self, name, base, device, mode, train):
+        import syncless
+        self.name = name
+        self.train = train
+        self.model = copy.deepcopy(base)
+        if not train:
+            self.model.requires_grad_(False)
+        self.sink = Rows()
+        self.log = None
+        if name in ("log() inside", "graph break"):
+            self.log = syncless.Logger(every=FLUSH_EVERY, sinks=self.sink,
+                                       capacity=4 * FLUSH_EVERY)
+        self.fn = torch.compile(make_forward(self.model, self.log, name), mode=mode)
+        self.params = [p for p in self.model.parameters()]
+        self.steps = 0
+        self.last_loss = None
+
+    def step(self, x, y):
+        torch.compiler.cudagraph_mark_step_begin()
+        if self.train:
+            loss = self.fn(x, y)
+            if isinstance(loss, tuple):
+                loss = loss[0]
+            loss.backward()
+            with torch.no_grad():
+                grads = [p.grad for p in self.params]
+                torch._foreach_add_(self.params, grads, alpha=-0.01)
+                for p in self.params:
+                    p.grad = None
+        else:
+            with torch.no_grad():
+                loss = self.fn(x, y)
+            if isinstance(loss, tuple):
+                loss = loss[0]
+        self.steps += 1
+        if self.name == "log() inside" and self.steps % FLUSH_EVERY == 0:
+            self.log.flush(wait=False)                   # enqueues one copy; never waits
+        return loss
+
+
+def block(variant, batches, sync):
+    sync()
+    t0 = time.perf_counter()
+    loss = None
+    for x, y in batches:
+        loss = variant.step(x, y)
+    sync()
+    variant.last_loss = float(loss.detach())
+    return (time.perf_counter() - t0) / len(batches) * 1e6
+
+
+def tree_state(device):
+    """cudagraph trees' own counters: graphs recorded, warm-up runs, slow-path falls."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torch._inductor import cudagraph_trees
+        manager = cudagraph_trees.get_container(device.index or 0).tree_manager
+    except Exception as exc:                             # private API: report, do not fail
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if manager is None:
+        return {"manager": None}
+
+    def nxt(counter):                                    # itertools.count's next value
+        return int(repr(counter)[6:-1].split(",")[0])
+    return {"recorded": nxt(manager.graph_counter),
+            "warmups": -1 - nxt(manager.warmup_node_counter),
+            "fast_path_fails": getattr(manager, "debug_fail_counter", None),
+            "checkpoints": getattr(manager, "debug_checkpointing_counter", None)}
+
+
+def section(kind, base, batches, device, mode, rounds, sync):
+    """One interleaved comparison of the three variants; kind: 'train' or 'infer'."""
+    from torch._dynamo.utils import counters
+    train = kind == "train"
+    names = NAMES
+    with torch.set_grad_enabled(train):
+        breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
+    for name, (b, g) in breaks.items():
+        print(f"  [{kind}] {name}: {b} graph breaks, {g} graphs", flush=True)
+    variants = {name: Variant(name, base, device, mode, train) for name in names}
+    skips = {}
+    for name, v in variants.items():                     # compile, warm up, record the graphs
+        before = counters["inductor"]["cudagraph_skips"]
+        block(v, batches[:3], sync)
+        skips[name] = counters["inductor"]["cudagraph_skips"] - before
+    trees_before = tree_state(device)
+    rng = random.Random(0)
+    per_step = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            per_step[name].append(block(variants[name], batches, sync))
+        if r == 0 or (r + 1) % 10 == 0:
+            print(f"  [{kind}] round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
+    trees_after = tree_state(device)
+    results = {"cudagraph_trees": {"after_warmup": trees_before, "after_rounds": trees_after}}
+    for name in names:
+        v = variants[name]
+        s = summarize(per_step[name])
+        ratios = paired_ratios(per_step, name, "no log")
+        ci = median_ci(ratios)
+        to_metrics = paired_ratios(per_step, name, "metrics returned")
+        ci_metrics = median_ci(to_metrics)
+        r = results[name] = {"step_us": s, "ratio_to_no_log": summarize(ratios),
+                             "ratio_ci95": list(ci) if ci else None,
+                             "ratio_to_metrics": summarize(to_metrics),
+                             "ratio_to_metrics_ci95": list(ci_metrics) if ci_metrics else None,
+                             "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
+                             "cudagraph_skips": skips[name] if device.type == "cuda" else None}
+        if v.log is not None:
+            captured = v.log._gen is not None and v.log._gen.captured
+            v.log.close()
+            st = v.log.stats
+            r["rows"] = {"delivered": len(v.sink.steps), "steps_taken": v.steps,
+                         "host_calls": st.steps, "captured": captured,
+                         "steps_exact": v.sink.steps == list(range(v.steps)), "lost": st.lost,
+                         "last_loss_exact": v.sink.last is not None
+                         and v.sink.last.values["loss"] == v.last_loss}
+    return results
+
+
+def section_table(results, cuda):
+    names = NAMES
+    rows = []
+    for name in names:
+        r = results[name]
+        c = r.get("rows")
+        row = [name, num(r["step_us"]["median"]),
+               "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
+               "" if name == "no log" else pct_ci(r["ratio_ci95"]),
+               "" if name in ("no log", "metrics returned") else
+               f"{pct(r['ratio_to_metrics']['median'], 2)} {pct_ci(r['ratio_to_metrics_ci95'])}",
+               r["graph_breaks"], r["graphs"]]
+        if cuda:
+            row.append(r["cudagraph_skips"])
+        row.append("" if c is None else
+                   f"{c['delivered']}/{c['steps_taken']}, exact="
+                   f"{c['steps_exact'] and c['last_loss_exact']}, lost={c['lost']}, "
+                   f"host calls={c['host_calls']}")
+        rows.append(row)
+    return md_table(["variant", "µs per step (median)", "vs no log", "95% CI",
+                     "vs metrics returned (95% CI)", "graph breaks", "graphs"] + (["cudagraph skips"] if cuda else []) +
+                    ["rows (delivered/steps, host log() calls)"], rows)
+
+
+def eager_costs(device, calls, rounds):
+    """µs per call: log.log(4 metrics) eagerly, the same through the custom op, the hook check."""
+    import syncless
+    from syncless import _compile
+
+    values = [torch.full((), float(i), device=device) for i in range(4)]
+    metrics = dict(zip(("loss", "acc", "scale", "gnorm"), values))
+    log = syncless.Logger(every=1000, capacity=2000)
+    log.log(metrics)
+    site = _compile._site(id(log), tuple(metrics), tuple(str(v.device) for v in values))
+    token = getattr(_compile._by_site, f"t{site}")
+    op = torch.ops.syncless.log.default
+
+    def direct():
+        for _ in range(calls):
+            log.log(metrics)
+
+    def through_op():
+        for _ in range(calls):
+            op(token, values, site, None)
+
+    def check():
+        tracing = _compile.tracing
+        for _ in range(calls):
+            tracing()
+
+    def empty():
+        for _ in range(calls):
+            pass
+
+    fns = {"log.log() eager (C call)": direct, "custom op, called eagerly": through_op,
+           "compile hook check": check, "empty loop": empty}
+    out = {name: [] for name in fns}
+    rng = random.Random(1)
+    for _ in range(rounds):
+        order = list(fns)
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            fns[name]()
+            out[name].append((time.perf_counter() - t0) / calls * 1e6)
+            log.flush()
+    log.close()
+    loop = summarize(out["empty loop"])["median"]
+    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items() if name != "empty loop"}
+    return res
+
+
+def main(argv=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few rounds: a smoke test")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="steps per block")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--sections", default="infer,train", help="comma-separated: infer, train")
+    p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
+                   help="directory for compile_step.json/.md (default benchmarks/results)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rounds = args.rounds or (6 if args.quick else 30)
+    steps = args.steps or (20 if args.quick else 50)
+    mode = "reduce-overhead" if cuda else None
+    kinds = [k for k in args.sections.split(",") if k]
+    for key in ("recompile_limit", "cache_size_limit"):   # one code object, many closures
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 64)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+    base = make_model(device, args.width, args.depth)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
+                torch.randint(0, 10, (args.batch,), generator=gen).to(device))
+               for _ in range(steps)]
+    sections = {}
+    for kind in kinds:
+        sections[kind] = section(kind, base, batches, device, mode, rounds, sync)
+        torch._dynamo.reset()
+
+    eager = eager_costs(device, 2000 if not args.quick else 300, 15 if not args.quick else 4)
+    tables = {kind: section_table(res, cuda) for kind, res in sections.items()}
+    etable = md_table(["eager call", "µs per call (median)", "p25–p75"],
+                      [[k, num(v["median"]), f"{num(v['p25'])}–{num(v['p75'])}"]
+                       for k, v in eager.items()])
+    verdict = []
+    for kind, res in sections.items():
+        inside, brk = res["log() inside"], res["graph break"]
+        what = "training step" if kind == "train" else "inference step"
+        verdict.append(
+            f"{what}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
+            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); "
+            f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
+            f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; "
+            f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} host log() "
+            f"calls for {inside['rows']['steps_taken']} rows; graph-breaking log() "
+            f"{pct(brk['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(brk['ratio_ci95'])}, "
+            f"{brk['graph_breaks']} graph break(s)")
+    verdict.append(
+        f"eager log.log() {num(eager['log.log() eager (C call)']['median'])} µs per call vs the "
+        f"custom op called eagerly {num(eager['custom op, called eagerly']['median'])} µs; "
+        f"the hook's check {num(eager['compile hook check']['median'] * 1e3)} ns")
+    for kind, table in tables.items():
+        print(f"[{kind}]\n{table}")
+    print(etable)
+    print("\n".join(verdict))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        argv_used = sys.argv[1:] if argv is None else argv
+        env = env_info(device, ["compile_step", *argv_used])
+        env["command"] = " ".join(["python", "benchmarks/compile_step.py", *argv_used])
+        env.update(mode=mode, rounds=rounds, steps_per_block=steps, width=args.width,
+                   depth=args.depth, batch=args.batch, flush_every=FLUSH_EVERY)
+        write_json(os.path.join(args.out, "compile_step.json"),
+                   {"env": env, "sections": sections, "eager_us": eager, "verdict": verdict})
+        with open(os.path.join(args.out, "compile_step.md"), "w", encoding="utf-8") as f:
+            f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
+                    f"{env['date']}\n\n"
+                    f"MLP {args.depth}×{args.width}, batch {args.batch}, compiled forward+loss "
+                    f"(mode={mode!r}); {rounds} interleaved rounds of {steps} steps "
+                    f"(`{env['command']}`).\n\n"
+                    + "".join(f"## {SECTION_TITLES[k]}\n\n{t}\n\n" for k, t in tables.items())
+                    + f"## eager per-call cost\n\n{etable}\n\n"
+                    + "\n".join(f"- {v}" for v in verdict) + "\n")
+    return sections
+
+
+if __name__ == "__main__":
+    main()

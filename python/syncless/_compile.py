@@ -1,0 +1,240 @@
+"""log() and timer() inside torch.compile.
+
+Dynamo cannot trace Logger.log (C calls, host counters, wall time), and a graph break splits the
+graph and, under mode="reduce-overhead", the CUDA graph. So while Dynamo traces, Logger.log
+hands over to `log()` here, which puts one custom op, `syncless::log`, in the graph:
+
+* At trace time `_site()` runs as real Python (torch._dynamo.assume_constant_result): it records
+  the call site (the logger and the metric names) and returns its number, a constant of the
+  graph, like the names. Values are graph tensors; a Python number becomes a 0-dim float64 tensor
+  on the logger's device. The trace reads none of the logger's state (steps, columns), so new
+  values and metrics logged elsewhere never recompile; a new metric name inside the compiled
+  region needs no eager call first: it gets its column when the op first runs. Dynamo's own
+  rules still apply to what the user passes: an explicit step= int is specialised at the first
+  trace and made dynamic at the second value (one recompile), and a Python number read from
+  changing state (a scheduler's lr) is a guarded constant that recompiles when it changes: log
+  it outside the compiled function, or as a tensor.
+* The op declares one tensor mutated: a one-element token per (logger, device), made at trace
+  time and marked a static address. A mutated input keeps the op alive through functionalization
+  and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
+  cudagraph trees capture the graph instead of skipping it. Nothing ever writes to the token.
+* At run time the op's implementation is the eager path, `logger.log({name: value}, step)`: the
+  same step rule, flush policy, errors and host rows as eager code. Under CUDA graph capture
+  (reduce-overhead's recording) that gather is captured like a hand-captured log(): every replay
+  appends one row whose step is the capture step + the replay index, counted on the device; the
+  host sees no replay, so flushes wait for the next eager log() or flush() and rows overwritten
+  before one are counted in stats.lost: call log.flush(wait=False) every few hundred steps.
+  The host's step counter stays at capture step + 1, so an eager log() on the same logger after
+  replays needs an explicit step. An explicit step= or a CPU tensor under capture would be
+  replayed unchanged, so both are refused there with an error.
+* A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
+  graph replay had no host call, so its time is that of the flush that found it.
+
+syncless.timer() inside a compiled region is a graph break with a stated reason (an error under
+fullgraph=True): its events would mark points in a graph that inductor reorders and fuses across,
+and a CUDA graph cannot record timing events; time the compiled call from outside.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping, Optional
+
+import torch
+
+__all__ = ["tracing", "track", "log", "timer_new"]
+
+# The check on the eager hot path: a Python function returning False (tens of ns), which Dynamo
+# folds to True. torch.compiler.is_compiling() costs several times more (it asks TorchScript).
+tracing = getattr(torch.compiler, "is_dynamo_compiling", None) or (lambda: False)
+
+_loggers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def track(logger: Any) -> None:
+    """Called by Logger.__init__: the trace-time code finds a logger by id()."""
+    _loggers[id(logger)] = logger
+
+
+# ---- call sites --------------------------------------------------------------------------------
+
+class _Site:
+    __slots__ = ("logger_id", "logger", "names", "device", "host_tensors", "token")
+
+    def __init__(self, logger: Any, names: tuple, device: str, host_tensors: bool,
+                 token: torch.Tensor):
+        self.logger_id = id(logger)
+        self.logger = weakref.ref(logger)
+        self.names = names
+        self.device = device
+        self.host_tensors = host_tensors    # read at capture, replayed unchanged: refused there
+        self.token = token
+
+
+class _Tokens:
+    """Site i's token is attribute t<i>: Dynamo then guards that attribute alone, where a list or
+    dict of tokens would be guarded whole and every new site would recompile every graph."""
+
+
+_sites: list[_Site] = []
+_keys: dict[tuple, int] = {}
+_by_site = _Tokens()
+_tokens: "weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _token(logger: Any, device: str) -> torch.Tensor:
+    per_device = _tokens.setdefault(logger, {})
+    token = per_device.get(device)
+    if token is None:
+        token = torch.zeros(1, dtype=torch.uint8, device=device)
+        # Static: cudagraph trees capture graphs that mutate static inputs and skip the rest.
+        torch._dynamo.mark_static_address(token, guard=True)
+        per_device[device] = token
+    return token
+
+
+def _trace_time(fn):
+    """torch._dynamo.assume_constant_result, which only sets this flag (torch 2.0 to 2.13):
+    Dynamo then calls fn for real while tracing and puts its result in the graph as a constant.
+    Set here by hand because importing torch._dynamo takes seconds, and syncless is imported
+    by DataLoader workers and scripts that never compile."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_trace_time
+def _number_device(logger_id: int, cuda: Optional[str]) -> str:
+    """Trace time: where a Python number's tensor goes: the values' GPU, else the logger's."""
+    if cuda is not None:
+        return cuda
+    logger = _loggers.get(logger_id)
+    return "cpu" if logger is None else str(logger.device)
+
+
+@_trace_time
+def _site(logger_id: int, names: tuple, devices: tuple) -> int:
+    """Trace time, real Python: the number of the call site (the graph's constant)."""
+    logger = _loggers.get(logger_id)
+    if logger is None:
+        raise RuntimeError("syncless: log() inside torch.compile on an object that is not a "
+                           "live syncless.Logger")
+    # Bad names, closed loggers and mixed devices are refused when the op runs, by the eager
+    # path, with its errors: an exception raised here would reach the user wrapped by Dynamo.
+    cuda = [d for d in devices if d.startswith("cuda")]
+    device = cuda[0] if cuda else "cpu"
+    host_tensors = "cpu" in devices
+    if cuda and logger._ring is None and not logger.closed:
+        # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
+        # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
+        logger._bind(torch.device(device).index)
+    key = (logger_id, names, devices)
+    index = _keys.get(key)
+    if index is not None and _sites[index].logger() is logger:
+        return index
+    index = len(_sites)
+    _sites.append(_Site(logger, names, device, host_tensors, _token(logger, device)))
+    setattr(_by_site, f"t{index}", _sites[index].token)
+    _keys[key] = index
+    return index
+
+
+# ---- the op ------------------------------------------------------------------------------------
+
+_CAPTURED_STEP = ("log(step=...) inside a CUDA graph (torch.compile mode='reduce-overhead'): a "
+                  "replay cannot take a step from the host; its row's step is the capture step "
+                  "+ the replay index. Drop step= (rows take consecutive steps) or compile "
+                  "without CUDA graphs")
+_CAPTURED_HOST = ("metrics {names!r}: a CPU tensor inside a CUDA graph would log its value at "
+                  "capture on every replay; log it outside the graph or move it to the GPU")
+
+
+def _run(index: int, values: list, step: Optional[int]) -> None:
+    site = _sites[index]
+    logger = site.logger()
+    if logger is None:
+        logger = _loggers.get(site.logger_id)
+        if logger is None:
+            raise RuntimeError("syncless: the Logger this compiled code logs to no longer exists")
+    ring = logger._ring
+    if ring is not None and (step is not None or site.host_tensors) and ring.capturing():
+        raise RuntimeError(_CAPTURED_STEP if step is not None
+                           else _CAPTURED_HOST.format(names=site.names))
+    logger.log(dict(zip(site.names, values)), step)
+
+
+if hasattr(torch.library, "custom_op"):                  # torch >= 2.4
+    @torch.library.custom_op("syncless::log", mutates_args=("token",))
+    def _log_op(token: torch.Tensor, values: list[torch.Tensor], site: int,
+                step: Optional[int]) -> None:
+        _run(site, values, step)
+
+    @_log_op.register_fake
+    def _log_fake(token, values, site, step):
+        return None
+else:
+    _log_op = None
+
+
+# ---- what Dynamo traces ------------------------------------------------------------------------
+
+def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
+    """Logger.log while Dynamo traces: one syncless::log op in the graph."""
+    if _log_op is None:
+        raise RuntimeError("syncless: log() inside torch.compile needs torch >= 2.4 "
+                           f"(torch.library.custom_op); this is torch {torch.__version__}")
+    if isinstance(step, bool) or not (step is None or isinstance(step, int)):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    names = tuple(metrics)
+    items = list(metrics.values())
+    cuda = None
+    for v in items:
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            cuda = str(v.device)
+            break
+    device = _number_device(id(logger), cuda)
+    values = []
+    devices = []
+    for v in items:
+        if not isinstance(v, torch.Tensor):
+            # A Python number: a graph value (a constant, or a symbolic one Dynamo made dynamic),
+            # made on the logger's device so that a CUDA graph does not skip a CPU op.
+            v = torch.full((), v, dtype=torch.float64, device=device)
+        values.append(v)
+        devices.append(str(v.device))
+    index = _site(id(logger), names, tuple(devices))
+    _log_op(getattr(_by_site, f"t{index}"), values, index, step)
+
+
+# ---- the timer ---------------------------------------------------------------------------------
+
+_TIMER_REASON = ("syncless.timer() inside torch.compile: its CUDA events would mark points in "
+                 "a graph that inductor reorders and fuses across, and a CUDA graph cannot "
+                 "record timing events; time the compiled call from outside the compiled code")
+
+
+class _Disabled:
+    """The timer's eager functions wrapped in torch.compiler.disable, made at the first trace
+    that meets a timer (torch.compiler.disable imports torch._dynamo: seconds)."""
+
+
+_disabled = _Disabled()
+
+
+@_trace_time
+def _make_disabled() -> int:
+    if not hasattr(_disabled, "new"):
+        def wrap(fn):
+            try:
+                return torch.compiler.disable(fn, reason=_TIMER_REASON)
+            except TypeError:                             # torch < 2.8: no reason=
+                return torch.compiler.disable(fn)
+        _disabled.new = wrap(lambda cls, name, device, log, step:
+                             cls()(name) if callable(name) else cls(name, device, log, step))
+    return 0
+
+
+def timer_new(cls: type, name: Any, device: Any, log: Any, step: Any) -> Any:
+    """syncless.timer(...) while Dynamo traces: a graph break, then the eager factory."""
+    _make_disabled()
+    return _disabled.new(cls, name, device, log, step)
+
+

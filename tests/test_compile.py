@@ -1,0 +1,245 @@
+"""log() and timer() inside torch.compile: one custom op in the graph, no graph break, rows exact.
+
+CPU inductor runs in CI (each compile costs seconds on its two cores, so the tests compile few,
+small functions; a test's Logger must be closed by the test, so compiled functions, which hold
+their Logger, are not shared between tests). CUDA tests prove the reduce-overhead path: the gather
+is captured in the CUDA graph and every replay appends one row with its step.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import syncless
+
+pytestmark = [
+    pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
+                       reason="torch.compile support needs torch >= 2.4"),
+    # inductor's own imports (torch.utils.mkldnn) warn on some torch versions
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),   # inductor, GPU
+    # cudagraph trees capture an empty graph when their manager starts (torch 2.11)
+    pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning"),
+]
+
+
+class Collect:
+    def __init__(self):
+        self.rows = []
+
+    def write(self, rows):
+        self.rows.extend(rows)
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def step_fn(log):
+    """A training-like step that logs 4 metrics: float32, int64, bool tensors and a number."""
+    def step(x, w):
+        y = (x @ w).relu()
+        loss = y.mean()
+        big = (y > 0.5).sum()
+        ok = loss < 1.0
+        log(loss=loss, big=big, ok=ok, lr=0.25)
+        return loss, big, ok
+    return step
+
+
+def test_fullgraph_step_logs_4_metrics_exactly_over_1000_steps():
+    sink = Collect()
+    log = syncless.Logger(every=64, sinks=sink)
+    fn = torch.compile(step_fn(log), fullgraph=True)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    expected = []
+    fn(torch.randn(4, 8), w)                         # compiles
+    expected.append(None)
+    before = graphs()
+    for i in range(1000):
+        loss, big, ok = fn(torch.randn(4, 8) * (1 + i % 7), w)
+        expected.append({"loss": float(loss), "big": float(big), "ok": float(ok), "lr": 0.25})
+    log.close()
+    assert graphs() == before, "values changing must not recompile"
+    rows = sink.rows[-1000:]
+    assert [r.step for r in rows] == list(range(1, 1001))
+    assert [r.values for r in rows] == expected[1:]
+    assert log.stats.steps == 1001 and log.stats.lost == 0
+
+
+def test_explain_reports_no_graph_break():
+    sink = Collect()
+    with syncless.Logger(sinks=sink) as log:
+        explanation = torch._dynamo.explain(step_fn(log))(torch.ones(4, 8), torch.ones(8, 8))
+    assert explanation.graph_break_count == 0 and explanation.break_reasons == []
+    assert explanation.graph_count == 1
+    targets = [node.target for g in explanation.graphs for node in g.graph.nodes]
+    assert targets.count(torch.ops.syncless.log.default) == 1
+    assert [r.values for r in sink.rows] == [{"loss": 8.0, "big": 32.0, "ok": 0.0, "lr": 0.25}]
+
+
+def test_new_names_steps_and_eager_logging_do_not_recompile():
+    sink = Collect()
+    log = syncless.Logger(every=8, sinks=sink)
+
+    @torch.compile(fullgraph=True)
+    def first(x):
+        log(a=x * 2)                       # a name this logger has never seen: no eager call first
+        return x
+
+    @torch.compile(fullgraph=True)
+    def second(x, step):
+        log.log({"b": x[0] + 1, "c": x.sum()}, step)
+        return x
+
+    for i in range(6):
+        first(torch.tensor(float(i)))
+        log(eager=float(i))                          # eager, another new name each first time
+        second(torch.full((2,), float(i)), 100 + 10 * i)
+        if i == 2:
+            settled = graphs()
+    assert graphs() == settled, "after an explicit step's one dynamic recompile, nothing more"
+    log.close()
+    got = [(r.step, r.values) for r in sink.rows]
+    want = []
+    for i in range(6):
+        base = 0 if i == 0 else 100 + 10 * (i - 1) + 1
+        want += [(base, {"a": 2.0 * i}), (base + 1, {"eager": float(i)}),
+                 (100 + 10 * i, {"b": i + 1.0, "c": 2.0 * i})]
+    assert got == want
+
+
+def test_bad_value_inside_compiled_code_is_a_clear_error_and_loses_nothing():
+    sink = Collect()
+    log = syncless.Logger(sinks=sink)
+    fn = torch.compile(lambda x: log(v=x * 2), fullgraph=True)
+    fn(torch.tensor(3.0))
+    with pytest.raises(ValueError, match=r"metric 'v' must hold one element, got shape \(3,\)"):
+        fn(torch.ones(3))
+    log.close()
+    assert [(r.step, r.values) for r in sink.rows] == [(0, {"v": 6.0})]
+    with pytest.raises(ValueError, match="this Logger is closed"):
+        fn(torch.tensor(1.0))
+
+
+def test_timer_inside_compiled_code_is_a_stated_graph_break():
+    def fn(x):
+        with syncless.timer("compiled-block"):
+            y = x.sin() + 1
+        return y * 2
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=re.escape("syncless.timer() inside")):
+        torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(3))
+    syncless.timers.reset("compiled-block")
+    torch._dynamo.reset()
+    relaxed = torch.compile(fn, backend="eager")
+    for _ in range(3):
+        out = relaxed(torch.ones(3))
+    assert torch.equal(out, (torch.ones(3).sin() + 1) * 2)
+    stats = syncless.timer("compiled-block").stats
+    assert stats.count == 3 and stats.min > 0
+
+
+def test_import_does_not_load_dynamo_and_the_trace_time_flag_is_dynamos():
+    # Importing torch._dynamo takes seconds; syncless sets assume_constant_result's flag itself.
+    code = "import sys, syncless; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    from syncless import _compile
+    marked = torch._dynamo.assume_constant_result(lambda: 0)
+    assert {k for k in vars(marked)} == {"_dynamo_marked_constant"}
+    assert _compile._site._dynamo_marked_constant is marked._dynamo_marked_constant
+
+
+# ---- CUDA: the default inductor mode, and reduce-overhead's CUDA graphs --------------------------
+
+@pytest.mark.cuda
+def test_cuda_compiled_step_logs_exact_values_without_a_sync():
+    sink = Collect()
+    log = syncless.Logger(every=16, sinks=sink)
+    fn = torch.compile(step_fn(log), fullgraph=True)
+    w = torch.randn(8, 8, device="cuda")
+    xs = [torch.randn(4, 8, device="cuda") for _ in range(40)]
+    fn(xs[0], w)
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            outs.append(fn(x, w))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    log.close()
+    want = [{"loss": float(a), "big": float(b), "ok": float(c), "lr": 0.25} for a, b, c in outs]
+    assert [r.values for r in sink.rows[1:]] == want
+    assert [r.step for r in sink.rows] == list(range(41))
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_replays_append_one_row_each_with_exact_steps():
+    sink = Collect()
+    log = syncless.Logger(every=10, sinks=sink, capacity=256)
+    model = torch.nn.Linear(16, 16, device="cuda")
+
+    def step(x):
+        y = model(x)
+        loss = y.square().mean()
+        log(loss=loss, peak=y.abs().amax(), lr=0.5)
+        return loss
+
+    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    xs = [torch.randn(8, 16, device="cuda") for _ in range(120)]
+    losses = []
+    with torch.no_grad():
+        for i in range(3):                           # warm-up and recording, outside the check
+            losses.append(fn(xs[i]).clone())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(3, 120):
+                losses.append(fn(xs[i]).clone())
+                if i % 50 == 49:
+                    log.flush(wait=False)            # enqueues one copy; never waits
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert counters["inductor"]["cudagraph_skips"] == skips, "the graph must be CUDA-graphed"
+    assert log._gen.captured, "the gather must have been captured into the CUDA graph"
+    log.close()
+    assert [r.step for r in sink.rows] == list(range(120))
+    assert [r.values["loss"] for r in sink.rows] == [float(v) for v in losses]
+    assert all(r.values["lr"] == 0.5 for r in sink.rows)
+    assert log.stats.lost == 0
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_rows_past_capacity_are_counted_as_lost():
+    sink = Collect()
+    log = syncless.Logger(every=4, sinks=sink, capacity=16)
+    fn = torch.compile(lambda x: log(x=x.sum()), mode="reduce-overhead", fullgraph=True)
+    x = torch.ones(4, device="cuda")
+    for _ in range(60):                              # no flush between: the ring wraps
+        fn(x)
+    log.close()
+    assert log.stats.lost + len(sink.rows) == 60
+    assert [r.step for r in sink.rows][-16:] == list(range(44, 60))
+    assert log.stats.lost > 0
+
+
+@pytest.mark.cuda
+def test_explicit_step_inside_a_cuda_graph_is_refused():
+    log = syncless.Logger()
+    fn = torch.compile(lambda x, s: log(x=x.sum(), step=s), mode="reduce-overhead")
+    x = torch.ones(4, device="cuda")
+    try:
+        with pytest.raises(RuntimeError, match=re.escape("log(step=...) inside a CUDA graph")):
+            for _ in range(3):
+                fn(x, 7)                             # warm-up (logged), then the recording
+    finally:
+        torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+    log.close()
