@@ -25,16 +25,21 @@ sl_state *sl_type_state(PyTypeObject *type)
     return (sl_state *)PyType_GetModuleState(type);
 }
 
-/* bind_torch(Tensor, dtype_kinds, exchange_capsule_or_None, raw_stream)
- * dtype_kinds maps torch dtypes to enum sl_kind for torch builds without the exchange table. */
+/* bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule_or_None, raw_stream, resolve,
+ *            number)
+ * dtype_kinds maps torch dtypes to enum sl_kind for torch builds without the exchange table;
+ * resolve(name, tensor) and number(name, value) are syncless._metric's slow paths. */
 static PyObject *bind_torch(PyObject *module, PyObject *args)
 {
     sl_state *st = sl_get_state(module);
-    PyObject *tensor, *kinds, *capsule, *raw_stream;
-    if (!PyArg_ParseTuple(args, "OO!OO", &tensor, &PyDict_Type, &kinds, &capsule, &raw_stream))
+    PyObject *tensor, *param, *kinds, *capsule, *raw_stream, *resolve, *number;
+    if (!PyArg_ParseTuple(args, "OOO!OOOO", &tensor, &param, &PyDict_Type, &kinds, &capsule,
+                          &raw_stream, &resolve, &number))
         return NULL;
-    if (!PyType_Check(tensor)) {
-        PyErr_SetString(PyExc_TypeError, "bind_torch() needs torch.Tensor");
+    if (!PyType_Check(tensor) || !PyType_Check(param) || !PyCallable_Check(resolve) ||
+        !PyCallable_Check(number)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bind_torch() needs torch.Tensor, torch.nn.Parameter and two callables");
         return NULL;
     }
     const sl_exchange_api *api = NULL;
@@ -46,10 +51,24 @@ static PyObject *bind_torch(PyObject *module, PyObject *args)
             api->current_work_stream == NULL)
             api = NULL; /* an ABI we were not written for: use the attribute path */
     }
+    /* Unbound methods, called with the tensor: no attribute lookup per metric. */
+    PyObject *is_neg = PyObject_GetAttr(tensor, st->is_neg_str);
+    PyObject *offset = is_neg ? PyObject_GetAttr(tensor, st->storage_offset_str) : NULL;
+    if (offset == NULL) {
+        Py_XDECREF(is_neg);
+        return NULL;
+    }
+    replace_ref(&st->is_neg_fn, is_neg);
+    replace_ref(&st->offset_fn, offset);
+    Py_DECREF(is_neg);
+    Py_DECREF(offset);
     replace_ref(&st->tensor_type, tensor);
+    replace_ref(&st->param_type, param);
     replace_ref(&st->dtype_codes, kinds);
     replace_ref(&st->raw_stream, raw_stream);
     replace_ref(&st->xapi_capsule, capsule);
+    replace_ref(&st->resolver, resolve);
+    replace_ref(&st->number, number);
     st->xapi = api;
     return PyBool_FromLong(api != NULL);
 }
@@ -72,8 +91,10 @@ static PyObject *values(PyObject *module, PyObject *metrics)
     int device = -1;
     while (PyDict_Next(metrics, &pos, &name, &value)) {
         sl_metric m;
-        if (sl_metric_read(st, name, value, &m))
+        PyObject *keep;
+        if (sl_metric_read(st, name, value, &m, &keep))
             goto error;
+        Py_XDECREF(keep); /* only the device is reported, nothing is read later */
         if (m.device >= 0) {
             if (device < 0)
                 device = m.device;
@@ -111,8 +132,8 @@ PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"bind_torch", bind_torch, METH_VARARGS,
-     "bind_torch(Tensor, dtype_kinds, exchange_capsule, raw_stream) -> whether the fast path is "
-     "on"},
+     "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number) "
+     "-> whether the fast path is on"},
     {"values", values, METH_O,
      "values(metrics) -> (device, floats or None): read one call's metrics"},
     {"driver_version", driver_version, METH_NOARGS,
@@ -130,7 +151,8 @@ static int exec_module(PyObject *module)
         !(st->dtype_str = PyUnicode_InternFromString("dtype")) ||
         !(st->get_device_str = PyUnicode_InternFromString("get_device")) ||
         !(st->numel_str = PyUnicode_InternFromString("numel")) ||
-        !(st->is_cuda_str = PyUnicode_InternFromString("is_cuda")))
+        !(st->is_neg_str = PyUnicode_InternFromString("is_neg")) ||
+        !(st->storage_offset_str = PyUnicode_InternFromString("storage_offset")))
         return -1;
     if (sl_CudaError == NULL) {
         sl_CudaError =
@@ -142,6 +164,22 @@ static int exec_module(PyObject *module)
             return -1;
     }
     if (PyModule_AddObjectRef(module, "CudaError", sl_CudaError))
+        return -1;
+    PyObject *kinds = PyDict_New();
+    if (kinds == NULL)
+        return -1;
+    for (const sl_kind_info *k = sl_kinds; k->name; k++) {
+        PyObject *v = PyLong_FromLong(k->kind);
+        if (v == NULL || PyDict_SetItemString(kinds, k->name, v)) {
+            Py_XDECREF(v);
+            Py_DECREF(kinds);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    int rc = PyModule_AddObjectRef(module, "KINDS", kinds);
+    Py_DECREF(kinds);
+    if (rc || PyModule_AddIntConstant(module, "MAX_CELLS", SL_MAX_CELLS))
         return -1;
     if (sl_ring_init_types(module, st) || sl_timer_init_types(module, st))
         return -1;
@@ -158,6 +196,11 @@ static int traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->xapi_capsule);
     Py_VISIT(st->dtype_codes);
     Py_VISIT(st->raw_stream);
+    Py_VISIT(st->param_type);
+    Py_VISIT(st->resolver);
+    Py_VISIT(st->number);
+    Py_VISIT(st->is_neg_fn);
+    Py_VISIT(st->offset_fn);
     return 0;
 }
 
@@ -175,7 +218,13 @@ static int clear(PyObject *module)
     Py_CLEAR(st->dtype_str);
     Py_CLEAR(st->get_device_str);
     Py_CLEAR(st->numel_str);
-    Py_CLEAR(st->is_cuda_str);
+    Py_CLEAR(st->is_neg_str);
+    Py_CLEAR(st->storage_offset_str);
+    Py_CLEAR(st->param_type);
+    Py_CLEAR(st->resolver);
+    Py_CLEAR(st->number);
+    Py_CLEAR(st->is_neg_fn);
+    Py_CLEAR(st->offset_fn);
     st->xapi = NULL;
     return 0;
 }

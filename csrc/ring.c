@@ -23,7 +23,7 @@ typedef struct {
     int64_t step;
     double time;
     uint32_t capacity, row_words, mask_words, n;
-    sl_cell cell[248];
+    sl_cell cell[SL_MAX_CELLS];
 } launch_args;
 
 typedef struct {
@@ -102,19 +102,20 @@ static void Ring_dealloc(Ring *self)
     Py_DECREF(type);
 }
 
-/* Fill args->cell from a {name: value} dict; names map to columns through `columns`. */
+/* Fill args->cell from a {name: value} dict; names map to columns through `columns`.
+ * keep[] receives the tensors made by the resolver (a.n references at most, NULL or new). */
 static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *columns,
-                      launch_args *a)
+                      launch_args *a, PyObject **keep)
 {
     Py_ssize_t pos = 0;
     PyObject *name, *value;
     uint32_t n = 0;
     while (PyDict_Next(metrics, &pos, &name, &value)) {
-        if (n == 248) {
+        if (n == SL_MAX_CELLS) {
             PyErr_Format(PyExc_ValueError,
-                         "at most 248 metrics per call (got %zd); split them "
+                         "at most %d metrics per call (got %zd); split them "
                          "over two calls with the same step",
-                         PyDict_Size(metrics));
+                         SL_MAX_CELLS, PyDict_Size(metrics));
             return -1;
         }
         PyObject *col = PyDict_GetItemWithError(columns, name); /* borrowed */
@@ -124,8 +125,9 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
             return -1;
         }
         sl_metric m;
-        if (sl_metric_read(st, name, value, &m))
+        if (sl_metric_read(st, name, value, &m, &keep[n]))
             return -1;
+        a->n = n + 1; /* keep[n] is the caller's to release from here on */
         if (m.device >= 0 && m.device != self->device) {
             PyErr_Format(PyExc_ValueError,
                          "metric %R is on cuda:%d but this logger's ring is on "
@@ -141,8 +143,13 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
         }
         a->cell[n++] = m.cell;
     }
-    a->n = n;
     return 0;
+}
+
+static void release(PyObject **keep, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        Py_XDECREF(keep[i]);
 }
 
 /* Returns 1 when the launch was captured into a CUDA graph, else 0. */
@@ -154,12 +161,18 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     }
     sl_state *st = sl_type_state(Py_TYPE(self));
     launch_args a;
+    PyObject *keep[SL_MAX_CELLS];
+    a.n = 0;
     a.tag = PyLong_AsUnsignedLongLong(args[2]);
     a.replays = 0;
     a.step = PyLong_AsLongLong(args[3]);
     a.time = PyFloat_AsDouble(args[4]);
-    if (PyErr_Occurred() || read_cells(st, self, args[0], args[1], &a))
+    if (PyErr_Occurred())
         return NULL;
+    if (read_cells(st, self, args[0], args[1], &a, keep)) {
+        release(keep, a.n);
+        return NULL;
+    }
 
     CUcontext prev;
     CUstream stream;
@@ -207,6 +220,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     rc = 0;
 done:
     sl_leave_device(st, prev);
+    release(keep, a.n); /* stream order: a later reuse of their memory runs after the kernel */
     if (rc)
         return NULL;
     return PyBool_FromLong(capturing);

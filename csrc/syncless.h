@@ -61,6 +61,14 @@ typedef struct sl_driver {
 /* ---- DLPack (v1.x ABI) and torch's C exchange table ---------------------------------------- */
 enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13 };
 enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+/* DLPack >= 1.1 (torch reports 1.3): the 8-bit floats. */
+enum {
+    kDLFloat8_e4m3fn = 10,
+    kDLFloat8_e4m3fnuz = 11,
+    kDLFloat8_e5m2 = 12,
+    kDLFloat8_e5m2fnuz = 13,
+    kDLFloat8_e8m0fnu = 14,
+};
 
 typedef struct {
     int32_t device_type;
@@ -112,7 +120,26 @@ enum sl_kind {
     SL_U32,
     SL_U64,
     SL_BOOL,
+    SL_F8E4M3FN,
+    SL_F8E5M2,
+    SL_F8E4M3FNUZ,
+    SL_F8E5M2FNUZ,
+    SL_F8E8M0FNU,
 };
+
+typedef struct {
+    int kind;
+    const char *name; /* torch's dtype name */
+    int code, bits;   /* DLPack */
+} sl_kind_info;
+
+extern const sl_kind_info sl_kinds[]; /* ends with a NULL name */
+int sl_kind_of(int code, int bits, int lanes);
+size_t sl_kind_size(int kind);
+
+/* Cells per gather launch: 248 of 16 bytes fill the classic 4 KB kernel parameter limit with
+ * the launch header. Exported as _C.MAX_CELLS. */
+#define SL_MAX_CELLS 248
 
 typedef struct {
     uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
@@ -135,7 +162,12 @@ typedef struct {
     PyObject *tensor_type;       /* torch.Tensor once registered, else NULL */
     const sl_exchange_api *xapi; /* borrowed from the capsule we keep in xapi_capsule */
     PyObject *xapi_capsule;
-    PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_cuda_str;
+    PyObject *param_type;            /* torch.nn.Parameter: read like a Tensor (same storage) */
+    PyObject *resolver;              /* syncless._metric.resolve(name, tensor) -> plain tensor */
+    PyObject *number;                /* syncless._metric.number(name, value) -> float */
+    PyObject *is_neg_fn, *offset_fn; /* Tensor.is_neg, Tensor.storage_offset (unbound) */
+    PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_neg_str;
+    PyObject *storage_offset_str;
     PyObject *dtype_codes; /* {torch.dtype: kind} for the fallback path */
     PyObject *raw_stream;  /* torch._C._cuda_getCurrentRawStream, for the fallback path */
     /* The driver: loaded on first use. */
@@ -162,7 +194,9 @@ int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
 extern PyObject *sl_CudaError;
 
 /* metric.c */
-int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out);
+/* 0, or -1 with an exception set. *keep receives a new reference (or NULL) to a tensor the
+ * cell points into, which must stay alive until the launch is enqueued. */
+int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out, PyObject **keep);
 int sl_current_stream(sl_state *st, int device, CUstream *out);
 
 /* ring.c */

@@ -31,6 +31,31 @@ struct Args {
     Cell cell[K];
 };
 
+// An 8-bit float as binary64, built from its fields with integer operations only (exact, and
+// nothing newer than PTX 7.0). Mirrors minifloat() in csrc/metric.c: "fn" formats have no
+// infinity (all ones is NaN), "fnuz" ones no negative zero (0x80 is NaN), e8m0 is a bare exponent.
+__device__ double minifloat(unsigned b, unsigned kind) {
+    const double nan = __longlong_as_double(0x7ff8000000000000ll);
+    if (kind == 18) return b == 0xff ? nan : __longlong_as_double((long long)(b + 1023 - 127) << 52);
+    int e = 4, m = 3, bias = 7;
+    if (kind == 15) e = 5, m = 2, bias = 15;
+    if (kind == 16) bias = 8;
+    if (kind == 17) e = 5, m = 2, bias = 16;
+    if ((kind == 16 || kind == 17) && b == 0x80) return nan;
+    if (kind == 14 && (b & 0x7f) == 0x7f) return nan;
+    const unsigned ex = (b >> m) & ((1u << e) - 1), man = b & ((1u << m) - 1);
+    const long long sign = (long long)(b >> 7) << 63;
+    if (kind == 15 && ex == 31)
+        return man ? nan : __longlong_as_double(sign | 0x7ff0000000000000ll);
+    double v;
+    if (ex)   // normal: exponent rebased, mantissa moved to the top of binary64's 52 bits
+        v = __longlong_as_double(((long long)(ex - bias + 1023) << 52) |
+                                 ((long long)man << (52 - m)));
+    else      // subnormal: man * 2^(1 - bias - m), a power of two times a small integer
+        v = (double)man * __longlong_as_double((long long)(1023 + 1 - bias - m) << 52);
+    return __longlong_as_double(__double_as_longlong(v) | sign);
+}
+
 __device__ double load(const Cell &c) {
     const void *p = (const void *)c.bits;
     switch (c.kind) {
@@ -53,6 +78,8 @@ __device__ double load(const Cell &c) {
     case 11: return *(const unsigned *)p;
     case 12: return (double)*(const u64 *)p;
     case 13: return *(const unsigned char *)p ? 1.0 : 0.0;
+    case 14: case 15: case 16: case 17: case 18:
+        return minifloat(*(const unsigned char *)p, c.kind);
     }
     return __longlong_as_double(0x7ff8dead00000000ll);   // unreachable: the host checks kinds
 }

@@ -1,10 +1,16 @@
 """Type stub for syncless._C, the C core (csrc/). Policy lives in the Python package."""
-from typing import Any
+from typing import Any, Callable
 
 class CudaError(RuntimeError): ...
 
-def bind_torch(tensor_type: type, dtype_kinds: dict[Any, int], exchange_capsule: Any,
-               raw_stream: Any) -> bool: ...
+KINDS: dict[str, int]
+"""{torch dtype name: the gather kernel's kind number} for every dtype a metric may have."""
+MAX_CELLS: int
+"""Metrics one log() call may carry (one gather launch)."""
+
+def bind_torch(tensor_type: type, parameter_type: type, dtype_kinds: dict[Any, int],
+               exchange_capsule: Any, raw_stream: Any,
+               resolve: Callable[[str, Any], Any], number: Callable[[str, Any], float]) -> bool: ...
 def values(metrics: dict[str, Any]) -> tuple[int, dict[str, float] | None]: ...
 def driver_version() -> int: ...
 def ring_nbytes(capacity: int, columns: int) -> int: ...

@@ -26,35 +26,19 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
-from . import _C
+from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
 _log = logging.getLogger("syncless")
 
 _CAPTURED = 1 << 63
-_MAX_PER_CALL = 248          # cells in the largest gather kernel's parameter block
 _COLUMN_BLOCK = 64           # the ring grows its columns in blocks of 64 (one mask word)
 
 # CUDA graphs that captured a gather keep writing into that ring on every replay, even after
 # the logger closed; keeping such rings alive (a few KB each) makes a late replay harmless.
 _captured_rings: list = []
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
-
-
-def _bind_torch() -> None:
-    kinds = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4,
-             torch.int8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9,
-             torch.bool: 13}
-    for name, kind in (("uint16", 10), ("uint32", 11), ("uint64", 12)):
-        if hasattr(torch, name):
-            kinds[getattr(torch, name)] = kind
-    capsule = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    _C.bind_torch(torch.Tensor, kinds, capsule, raw_stream)
-
-
-_bind_torch()
 
 
 class Row(NamedTuple):

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import _C
+from ._torch import _C
 from .logger import Logger, Row     # importing the logger also hands torch's stream source to _C
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
