@@ -46,7 +46,8 @@ void sl_events_clear(sl_state *st)
 /* ---- EventPair: the GPU half of syncless.timer() ------------------------------------------- */
 
 typedef struct {
-    PyObject_HEAD int device;
+    PyObject_HEAD
+    int device;
     CUevent start, stop;
     CUstream started_on;
     int state; /* 0 fresh, 1 started, 2 stopped */
@@ -144,20 +145,6 @@ static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
     return record(self, 1);
 }
 
-static PyObject *EventPair_ready(EventPair *self, PyObject *unused)
-{
-    (void)unused;
-    if (self->state != 2)
-        Py_RETURN_FALSE;
-    sl_state *st = sl_type_state(Py_TYPE(self));
-    CUresult rc = st->drv.cuEventQuery(self->stop);
-    if (rc == CUDA_ERROR_NOT_READY)
-        Py_RETURN_FALSE;
-    if (sl_check(st, rc, "cuEventQuery"))
-        return NULL;
-    Py_RETURN_TRUE;
-}
-
 /* Milliseconds between the two events, or NULL with *not_ready set when the end event has not
  * completed (no exception then). The device's context is made current because these calls may
  * come from a thread torch never touched (the logger's delivery thread). */
@@ -173,9 +160,11 @@ static PyObject *read_elapsed(EventPair *self, int wait, int *not_ready)
     if (rc == CUDA_ERROR_NOT_READY && wait) {
         /* The events were made with the blocking-sync flag: this thread sleeps, and the GIL is
          * released so the training thread keeps running meanwhile. */
-        Py_BEGIN_ALLOW_THREADS rc = st->drv.cuEventSynchronize(self->stop);
-        Py_END_ALLOW_THREADS if (rc == CUDA_SUCCESS) rc =
-            st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
+        Py_BEGIN_ALLOW_THREADS
+        rc = st->drv.cuEventSynchronize(self->stop);
+        Py_END_ALLOW_THREADS
+        if (rc == CUDA_SUCCESS)
+            rc = st->drv.cuEventElapsedTime(&ms, self->start, self->stop);
     }
     sl_leave_device(st, prev);
     if (rc == CUDA_ERROR_NOT_READY && !wait) {
@@ -217,7 +206,6 @@ static PyObject *EventPair_poll(EventPair *self, PyObject *unused)
 static PyMethodDef EventPair_methods[] = {
     {"start", (PyCFunction)EventPair_start, METH_NOARGS, "Record the start on the current stream."},
     {"stop", (PyCFunction)EventPair_stop, METH_NOARGS, "Record the end on the current stream."},
-    {"ready", (PyCFunction)EventPair_ready, METH_NOARGS, "True once the end event completed."},
     {"elapsed", (PyCFunction)EventPair_elapsed, METH_NOARGS,
      "GPU milliseconds, waiting for the end event first."},
     {"poll", (PyCFunction)EventPair_poll, METH_NOARGS,
@@ -236,11 +224,11 @@ static PyType_Slot EventPair_slots[] = {
 static PyType_Spec EventPair_spec = {"syncless._C.EventPair", sizeof(EventPair), 0,
                                      Py_TPFLAGS_DEFAULT, EventPair_slots};
 
-int sl_timer_init_types(PyObject *module, sl_state *st)
+int sl_event_pair_init_types(PyObject *module, sl_state *st)
 {
-    st->timer_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &EventPair_spec, NULL);
-    if (st->timer_type == NULL ||
-        PyModule_AddObjectRef(module, "EventPair", (PyObject *)st->timer_type))
+    st->event_pair_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &EventPair_spec, NULL);
+    if (st->event_pair_type == NULL ||
+        PyModule_AddObjectRef(module, "EventPair", (PyObject *)st->event_pair_type))
         return -1;
     return 0;
 }

@@ -377,27 +377,48 @@ int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out
     return -1;
 }
 
-int sl_current_stream(sl_state *st, int device, CUstream *out)
+/* read_host_values(metrics) -> (device, {name: float} or None)
+ * Reads every metric of a call once. When none lives on a GPU the floats come back (the host
+ * path of a logger); otherwise the CUDA device of the first GPU metric and None. */
+PyObject *sl_read_host_values(PyObject *module, PyObject *metrics)
 {
-    void *s = NULL;
-    if (st->xapi) {
-        if (st->xapi->current_work_stream(kDLCUDA, device, &s) != 0) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "torch could not name its current stream");
-            return -1;
+    sl_state *st = sl_get_state(module);
+    if (!PyDict_Check(metrics)) {
+        PyErr_SetString(PyExc_TypeError, "metrics must be a dict of name -> value");
+        return NULL;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+    int device = -1;
+    while (PyDict_Next(metrics, &pos, &name, &value)) {
+        sl_metric m;
+        PyObject *keep;
+        if (sl_metric_read(st, name, value, &m, &keep))
+            goto error;
+        Py_XDECREF(keep); /* only the device is reported, nothing is read later */
+        if (m.device >= 0) {
+            if (device < 0)
+                device = m.device;
+            continue;
         }
-        *out = (CUstream)s;
-        return 0;
+        double v;
+        memcpy(&v, &m.cell.bits, 8);
+        PyObject *f = PyFloat_FromDouble(v);
+        if (f == NULL || PyDict_SetItem(out, name, f)) {
+            Py_XDECREF(f);
+            goto error;
+        }
+        Py_DECREF(f);
     }
-    /* torch without the exchange table: its raw-stream getter (about 0.1 us). */
-    if (st->raw_stream == NULL || st->raw_stream == Py_None) {
-        PyErr_SetString(PyExc_RuntimeError, "syncless: torch is not bound (no stream source)");
-        return -1;
+    if (device >= 0) {
+        Py_DECREF(out);
+        return Py_BuildValue("(iO)", device, Py_None);
     }
-    PyObject *r = PyObject_CallFunction(st->raw_stream, "i", device);
-    if (r == NULL)
-        return -1;
-    *out = (CUstream)PyLong_AsVoidPtr(r);
-    Py_DECREF(r);
-    return PyErr_Occurred() ? -1 : 0;
+    return Py_BuildValue("(iN)", -1, out);
+error:
+    Py_DECREF(out);
+    return NULL;
 }

@@ -13,6 +13,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "layout.h"
+
 /* ---- CUDA driver API (subset) ------------------------------------------------------------ */
 typedef int CUresult;
 typedef int CUdevice;
@@ -104,29 +106,6 @@ typedef struct {
 } sl_exchange_api;
 
 /* ---- metric values ------------------------------------------------------------------------- */
-/* What the gather kernel reads for one cell; the order is part of the kernel's ABI. */
-enum sl_kind {
-    SL_HOST = 0, /* value carried by the launch itself (a Python number or a CPU tensor) */
-    SL_F16,
-    SL_BF16,
-    SL_F32,
-    SL_F64,
-    SL_I8,
-    SL_I16,
-    SL_I32,
-    SL_I64,
-    SL_U8,
-    SL_U16,
-    SL_U32,
-    SL_U64,
-    SL_BOOL,
-    SL_F8E4M3FN,
-    SL_F8E5M2,
-    SL_F8E4M3FNUZ,
-    SL_F8E5M2FNUZ,
-    SL_F8E8M0FNU,
-};
-
 typedef struct {
     int kind;
     const char *name; /* torch's dtype name */
@@ -136,10 +115,6 @@ typedef struct {
 extern const sl_kind_info sl_kinds[]; /* ends with a NULL name */
 int sl_kind_of(int code, int bits, int lanes);
 size_t sl_kind_size(int kind);
-
-/* Cells per gather launch: 248 of 16 bytes fill the classic 4 KB kernel parameter limit with
- * the launch header. Exported as _C.MAX_CELLS. */
-#define SL_MAX_CELLS 248
 
 typedef struct {
     uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
@@ -158,7 +133,7 @@ typedef struct {
 typedef struct {
     PyTypeObject *ring_type;
     PyTypeObject *window_type;
-    PyTypeObject *timer_type;
+    PyTypeObject *event_pair_type;
     PyObject *tensor_type;       /* torch.Tensor once registered, else NULL */
     const sl_exchange_api *xapi; /* borrowed from the capsule we keep in xapi_capsule */
     PyObject *xapi_capsule;
@@ -182,8 +157,16 @@ typedef struct {
     int pool_len[SL_MAX_DEVICES], pool_cap[SL_MAX_DEVICES];
 } sl_state;
 
-sl_state *sl_get_state(PyObject *module);
-sl_state *sl_type_state(PyTypeObject *type);
+static inline sl_state *sl_get_state(PyObject *module)
+{
+    return (sl_state *)PyModule_GetState(module);
+}
+
+/* The state of the module that defined `type` (Ring, Window, EventPair). */
+static inline sl_state *sl_type_state(PyTypeObject *type)
+{
+    return (sl_state *)PyType_GetModuleState(type);
+}
 
 /* cuda.c */
 int sl_driver_load(sl_state *st);                          /* 0, or -1 with an exception set */
@@ -193,19 +176,24 @@ void sl_leave_device(sl_state *st, CUcontext prev);
 int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
 extern PyObject *sl_CudaError;
 
+/* torch.c */
+PyObject *sl_bind_torch(PyObject *module, PyObject *args);
+int sl_current_stream(sl_state *st, int device, CUstream *out);
+
 /* metric.c */
+PyObject *sl_read_host_values(PyObject *module, PyObject *metrics);
 /* 0, or -1 with an exception set. *keep receives a new reference (or NULL) to a tensor the
  * cell points into, which must stay alive until the launch is enqueued. */
 int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out, PyObject **keep);
-int sl_current_stream(sl_state *st, int device, CUstream *out);
 
 /* ring.c */
 int sl_ring_init_types(PyObject *module, sl_state *st);
+PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
 
 /* events.c */
 int sl_event_take(sl_state *st, int device, CUevent *out);
 void sl_event_give(sl_state *st, int device, CUevent ev);
-int sl_timer_init_types(PyObject *module, sl_state *st);
+int sl_event_pair_init_types(PyObject *module, sl_state *st);
 void sl_events_clear(sl_state *st);
 
 #endif

@@ -211,9 +211,12 @@ class Child:
 def cpu_children(tmp_path_factory):
     """The module's CPU children, all started before the first of them is waited for."""
     store = str(tmp_path_factory.mktemp("fsdp") / "store")
-    return {"values": Child(CHILD, "cpu", *CASES),
-            "dtensor": Child(DTENSOR_CHILD, "cpu"),
-            "fsdp": [Child(FSDP_CHILD, "cpu", str(rank), "2", store) for rank in range(2)]}
+    children = {"values": Child(CHILD, "cpu", *CASES),
+                "dtensor": Child(DTENSOR_CHILD, "cpu"),
+                "fsdp": [Child(FSDP_CHILD, "cpu", str(rank), "2", store) for rank in range(2)]}
+    yield children
+    for child in [children["values"], children["dtensor"], *children["fsdp"]]:
+        child.wait()                        # reaped and its pipes closed, used or not
 
 
 def _case_results(child):
@@ -434,3 +437,30 @@ def test_the_dtype_map_comes_from_the_c_kinds():
     assert DTYPE_KINDS[torch.float32] == _C.KINDS["float32"]
     assert DTYPE_KINDS[torch.float8_e4m3fn] == _C.KINDS["float8_e4m3fn"]
     assert len(set(DTYPE_KINDS.values())) == len(DTYPE_KINDS)
+
+
+# ---- the ring's rows as the C core decodes them (the GPU timestamp) -------------------------
+
+@pytest.mark.cuda
+def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
+    from syncless._torch import _C
+    capacity, columns, rows = 64, _C.COLUMN_BLOCK, 40
+    memory = torch.empty(_C.ring_nbytes(capacity, columns), dtype=torch.uint8, device="cuda")
+    ring = _C.Ring(0, memory.data_ptr(), capacity, columns)
+    ring.clear()
+    x = torch.zeros((), device="cuda")
+    for step in range(rows):
+        torch.cuda._sleep(1000)                       # GPU time passes between two rows
+        x += 1
+        ring.gather({"x": x, "h": 0.5}, {"x": 0, "h": 1}, step, 10 + step, float(step))
+    pinned = torch.empty(memory.numel(), dtype=torch.uint8, pin_memory=True)
+    window = _C.Window(0, pinned.data_ptr(), pinned.numel())
+    ring.copy_to(window)
+    window.wait()
+    counter, decoded = window.decode(0, ["x", "h"], {})
+    assert counter == rows
+    assert [r[:4] for r in decoded] == [(i, i, 10 + i, float(i)) for i in range(rows)]
+    assert [r[5] for r in decoded] == [{"x": float(i + 1), "h": 0.5} for i in range(rows)]
+    gpu_ns = [r[4] for r in decoded]
+    assert all(isinstance(t, int) for t in gpu_ns)
+    assert all(b > a for a, b in zip(gpu_ns, gpu_ns[1:])), gpu_ns

@@ -32,8 +32,8 @@ __all__ = ["Logger", "Row", "LoggerStats"]
 
 _log = logging.getLogger("syncless")
 
-_CAPTURED = 1 << 63
-_COLUMN_BLOCK = 64           # the ring grows its columns in blocks of 64 (one mask word)
+_CAPTURED = _C.CAPTURED_TAG          # tag bit of a row written by a graph replay
+_COLUMN_BLOCK = _C.COLUMN_BLOCK      # the ring grows its columns in blocks of one mask word
 
 # CUDA graphs that captured a gather keep writing into that ring on every replay, even after
 # the logger closed; keeping such rings alive (a few KB each) makes a late replay harmless.
@@ -194,7 +194,7 @@ class Logger:
         if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
             raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
                              "split them over two calls with the same step")
-        device, values = _C.values(metrics)
+        device, values = _C.read_host_values(metrics)
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
             self.log(metrics, step)
@@ -367,7 +367,7 @@ class Logger:
         # A graph replay's step was computed on the device (capture step + replay index); the
         # host saw no call, so its time is that of the flush that found the row.
         rows = [Row(step, flushed_at if tag & _CAPTURED else t, values)
-                for _seq, tag, step, t, values in raw]
+                for _seq, tag, step, t, _gpu_ns, values in raw]
         return rows
 
     def _emit(self, rows: list[Row]) -> None:
