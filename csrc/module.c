@@ -26,6 +26,8 @@ static PyMethodDef methods[] = {
      "or name the CUDA device of the first GPU one"},
     {"driver_version", driver_version, METH_NOARGS,
      "Load the CUDA driver (if not yet) and return its version, e.g. 13000."},
+    {"event_floor", sl_event_floor, METH_VARARGS,
+     "event_floor(device, n) -> {what: ns per pair}: the driver's cost of timing, measured in C"},
     {"ring_nbytes", sl_ring_nbytes, METH_VARARGS,
      "ring_nbytes(capacity, columns) -> device bytes a Ring of that shape needs"},
     {NULL, NULL, 0, NULL},

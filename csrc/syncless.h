@@ -194,6 +194,7 @@ PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
 int sl_event_take(sl_state *st, int device, CUevent *out);
 void sl_event_give(sl_state *st, int device, CUevent ev);
 int sl_event_pair_init_types(PyObject *module, sl_state *st);
+PyObject *sl_event_floor(PyObject *module, PyObject *args);
 void sl_events_clear(sl_state *st);
 
 #endif

@@ -464,3 +464,17 @@ def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
     gpu_ns = [r[4] for r in decoded]
     assert all(isinstance(t, int) for t in gpu_ns)
     assert all(b > a for a, b in zip(gpu_ns, gpu_ns[1:])), gpu_ns
+
+
+@pytest.mark.cuda
+def test_event_pair_times_a_with_block_from_c():
+    from syncless._torch import _C
+    torch.cuda.synchronize()
+    with _C.EventPair(torch.cuda.current_device()) as pair:
+        torch.cuda._sleep(2_000_000)                 # a few ms of GPU time
+    assert pair.cpu_ms is not None and 0 <= pair.cpu_ms < 1000
+    ms = pair.elapsed()                              # waits for the end event
+    assert ms > 0.1
+    assert pair.poll() == ms
+    with pytest.raises(RuntimeError, match="times one block"):
+        pair.__enter__()
