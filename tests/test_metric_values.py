@@ -141,22 +141,36 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
               "float8_e8m0fnu"):
     globals()["case_" + _name] = float8(getattr(torch, _name))
 
+class Strict:
+    """The logger, with every call made under sync-debug mode "error" on CUDA: reading (and
+    resolving) a metric must not sync. The cases build their tensors and read their expected
+    values outside it."""
+    def __init__(self, log):
+        self._log = log
+    def _strict(self, fn, *args, **kwargs):
+        if dev != "cuda":
+            return fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    def __call__(self, **metrics):
+        self._strict(self._log, **metrics)
+    def log(self, metrics):
+        self._strict(self._log.log, metrics)
+
 for name in cases:
     sink = Collect()
     out = {"case": name, "error": None}
     log = syncless.Logger(every=1000, sinks=sink, device=dev if dev == "cuda" else None)
     try:
         log(before=1.0)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")    # the read itself must not sync
         try:
-            out["ref"] = globals()["case_" + name](log)
+            out["ref"] = globals()["case_" + name](Strict(log))
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            if dev == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
         log(after=2.0)
     finally:
         log.close()
@@ -313,10 +327,10 @@ import syncless
 
 dev = sys.argv[1]
 store = os.path.join(tempfile.mkdtemp(), "store")
-dist.init_process_group("gloo" if dev == "cpu" else "nccl", init_method=f"file://{store}",
-                        rank=0, world_size=1)
 if dev == "cuda":
     torch.cuda.set_device(0)
+dist.init_process_group("gloo" if dev == "cpu" else "nccl", init_method=f"file://{store}",
+                        rank=0, world_size=1)
 mesh = init_device_mesh(dev, (1,))
 rows, errors = [], []
 log = syncless.Logger(every=100, sinks=syncless.sinks.Callback(lambda s, t, v: rows.append(v)),
@@ -324,12 +338,13 @@ log = syncless.Logger(every=100, sinks=syncless.sinks.Callback(lambda s, t, v: r
 replicated = DTensor.from_local(torch.tensor(2.5, device=dev), mesh, [Replicate()])
 partial = DTensor.from_local(torch.tensor(1.5, device=dev), mesh, [Partial()])
 sharded = distribute_tensor(torch.tensor([7.0], device=dev), mesh, [Shard(0)])
+two = DTensor.from_local(torch.tensor([1.0, 2.0], device=dev), mesh, [Replicate()])
 if dev == "cuda":
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")           # resolving a DTensor must not sync
 log(replicated=replicated, partial=partial, sharded=sharded)
 try:
-    log(two=DTensor.from_local(torch.tensor([1.0, 2.0], device=dev), mesh, [Replicate()]))
+    log(two=two)
 except ValueError as exc:
     errors.append(str(exc))
 if dev == "cuda":
@@ -369,10 +384,10 @@ from torch.distributed.fsdp import fully_shard
 import syncless
 
 dev, rank, world, store = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo" if dev == "cpu" else "nccl", init_method=f"file://{store}",
-                        rank=rank, world_size=world)
 if dev == "cuda":
     torch.cuda.set_device(rank)
+dist.init_process_group("gloo" if dev == "cpu" else "nccl", init_method=f"file://{store}",
+                        rank=rank, world_size=world)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 model.to(dev)
@@ -387,19 +402,22 @@ rows, kept, placements = [], [], []
 log = syncless.Logger(every=4, sinks_on="all", device=dev if dev == "cuda" else None,
                       sinks=syncless.sinks.Callback(lambda s, t, v: rows.append((s, v))))
 for step, (x, y) in enumerate(data):
-    if step == 2 and dev == "cuda":                   # two warm-up steps outside the check
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    log(loss=loss, grad_norm=gn)
+    strict = dev == "cuda" and step >= 2              # two warm-up steps outside the check
+    if strict:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")       # clipping and logging: zero syncs
+    try:
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        log(loss=loss, grad_norm=gn)
+    finally:
+        if strict:
+            torch.cuda.set_sync_debug_mode(0)
     kept.append((loss.detach().clone(), gn))
     placements.append(type(gn).__name__ + str(list(gn.placements)))
     opt.step()
-if dev == "cuda":
-    torch.cuda.set_sync_debug_mode(0)
 log.close()
 ref = [{"loss": l.item(), "grad_norm": g.full_tensor().item()} for l, g in kept]
 print(json.dumps({"rows": rows, "ref": ref, "placements": sorted(set(placements))}))
