@@ -33,7 +33,7 @@ const sl_kind_info sl_kinds[] = {
     {0, NULL, 0, 0},
 };
 
-int sl_kind_of(int code, int bits, int lanes)
+static int kind_of(int code, int bits, int lanes)
 {
     if (lanes != 1)
         return -1;
@@ -43,7 +43,7 @@ int sl_kind_of(int code, int bits, int lanes)
     return -1;
 }
 
-size_t sl_kind_size(int kind)
+static size_t kind_size(int kind)
 {
     for (const sl_kind_info *k = sl_kinds; k->name; k++)
         if (k->kind == kind)
@@ -152,8 +152,8 @@ static int dtype_error(PyObject *name, const DLDataType *t)
 {
     if (t->code == kDLComplex)
         PyErr_Format(PyExc_TypeError,
-                     "metric %R has a dtype that is not a real number: complex (%d-bit); log "
-                     "its .real, .imag or .abs()",
+                     "metric %R has a dtype that is not a real number: complex%d (log its "
+                     ".real, .imag or .abs())",
                      name, (int)t->bits);
     else if (t->lanes != 1 || t->bits < 8)
         PyErr_Format(PyExc_TypeError,
@@ -211,7 +211,7 @@ static int from_view(sl_state *st, PyObject *name, PyObject *value, const DLTens
                      shape);
         return -1;
     }
-    int kind = sl_kind_of(t->dtype.code, t->dtype.bits, t->dtype.lanes);
+    int kind = kind_of(t->dtype.code, t->dtype.bits, t->dtype.lanes);
     if (kind < 0)
         return dtype_error(name, &t->dtype);
     int device_type = t->device.device_type;
@@ -268,7 +268,7 @@ static int read_fallback(sl_state *st, PyObject *name, PyObject *value, sl_metri
     code = PyDict_GetItemWithError(st->dtype_codes, dtype); /* borrowed */
     if (code == NULL) {
         if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "metric %R has dtype %S, which is not a real number",
+            PyErr_Format(PyExc_TypeError, "metric %R has a dtype that is not a real number: %S",
                          name, dtype);
         goto error;
     }
@@ -280,7 +280,7 @@ static int read_fallback(sl_state *st, PyObject *name, PyObject *value, sl_metri
     const char *data = PyLong_AsVoidPtr(ptr);
     if (PyErr_Occurred())
         goto error;
-    int ok = readable(st, value, data, sl_kind_size(kind));
+    int ok = readable(st, value, data, kind_size(kind));
     if (ok <= 0) {
         rc = ok < 0 ? -1 : 1;
         goto error;

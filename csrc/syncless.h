@@ -113,8 +113,6 @@ typedef struct {
 } sl_kind_info;
 
 extern const sl_kind_info sl_kinds[]; /* ends with a NULL name */
-int sl_kind_of(int code, int bits, int lanes);
-size_t sl_kind_size(int kind);
 
 typedef struct {
     uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
