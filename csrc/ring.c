@@ -178,8 +178,10 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
 
     CUcontext prev;
     CUstream stream;
-    if (sl_enter_device(st, self->device, &prev))
+    if (sl_enter_device(st, self->device, &prev)) {
+        release(keep, a.n);
         return NULL;
+    }
     int capturing = 0, rc = -1;
     if (sl_current_stream(st, self->device, &stream) ||
         sl_check(st, st->drv.cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing"))
