@@ -138,8 +138,8 @@ def float8(dtype):
         # all 256 bit patterns, 128 metrics per call, compared with torch's own conversion
         patterns = torch.arange(256, dtype=torch.int32, device=dev).to(torch.uint8).view(dtype)
         ref = patterns.float().cpu().tolist()
-        for half in (0, 1):
-            log.log({f"b{i}": patterns[i] for i in range(128 * half, 128 * half + 128)})
+        for half in (0, 1):                  # new names grow the ring: allocations, not strict
+            log.plain.log({f"b{i}": patterns[i] for i in range(128 * half, 128 * half + 128)})
         return ref
     return case
 
@@ -152,7 +152,7 @@ class Strict:
     resolving) a metric must not sync. The cases build their tensors and read their expected
     values outside it."""
     def __init__(self, log):
-        self._log = log
+        self._log = self.plain = log
     def _strict(self, fn, *args, **kwargs):
         if dev != "cuda":
             return fn(*args, **kwargs)
@@ -357,6 +357,8 @@ partial = DTensor.from_local(torch.tensor(1.5, device=dev), mesh, [Partial()])
 sharded = distribute_tensor(torch.tensor([7.0], device=dev), mesh, [Shard(0)])
 two = DTensor.from_local(torch.tensor([1.0, 2.0], device=dev), mesh, [Replicate()])
 if dev == "cuda":
+    for d in (replicated, partial, sharded):
+        d.full_tensor()                               # the communicator's first use: set-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")           # resolving a DTensor must not sync
 log(replicated=replicated, partial=partial, sharded=sharded)
