@@ -363,6 +363,15 @@ int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out
     }
     if (st->tensor_type && PyObject_TypeCheck(value, (PyTypeObject *)st->tensor_type))
         return read_resolved(st, name, value, out, keep);
+    if (st->real_types != NULL && PyDict_Contains(st->real_types, (PyObject *)Py_TYPE(value))) {
+        /* a numpy real scalar type seen before (np.float32, np.int64, ...) */
+        PyObject *f = PyNumber_Float(value);
+        if (f == NULL)
+            return -1;
+        set_host(out, PyFloat_AsDouble(f));
+        Py_DECREF(f);
+        return 0;
+    }
     if (st->number != NULL) {
         /* numpy scalars and other numbers: the Python side refuses complex and str. */
         PyObject *f = PyObject_CallFunctionObjArgs(st->number, name, value, NULL);

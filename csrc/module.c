@@ -19,8 +19,8 @@ static PyObject *driver_version(PyObject *module, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"bind_torch", sl_bind_torch, METH_VARARGS,
-     "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number) "
-     "-> whether the fast path is on"},
+     "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number, "
+     "real_types) -> whether the fast path is on"},
     {"read_host_values", sl_read_host_values, METH_O,
      "read_host_values(metrics) -> (device, floats or None): read one call's metrics on the host, "
      "or name the CUDA device of the first GPU one"},
@@ -99,6 +99,7 @@ static int traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->param_type);
     Py_VISIT(st->resolver);
     Py_VISIT(st->number);
+    Py_VISIT(st->real_types);
     Py_VISIT(st->is_neg_fn);
     Py_VISIT(st->offset_fn);
     return 0;
@@ -123,6 +124,7 @@ static int clear(PyObject *module)
     Py_CLEAR(st->param_type);
     Py_CLEAR(st->resolver);
     Py_CLEAR(st->number);
+    Py_CLEAR(st->real_types);
     Py_CLEAR(st->is_neg_fn);
     Py_CLEAR(st->offset_fn);
     st->xapi = NULL;

@@ -138,6 +138,7 @@ typedef struct {
     PyObject *param_type;            /* torch.nn.Parameter: read like a Tensor (same storage) */
     PyObject *resolver;              /* syncless._metric.resolve(name, tensor) -> plain tensor */
     PyObject *number;                /* syncless._metric.number(name, value) -> float */
+    PyObject *real_types;            /* {type: True}: scalar types number() found real */
     PyObject *is_neg_fn, *offset_fn; /* Tensor.is_neg, Tensor.storage_offset (unbound) */
     PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_neg_str;
     PyObject *storage_offset_str;

@@ -15,15 +15,16 @@ static void replace_ref(PyObject **slot, PyObject *value)
 }
 
 /* bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule_or_None, raw_stream, resolve,
- *            number)
+ *            number, real_types)
  * dtype_kinds maps torch dtypes to enum sl_kind for torch builds without the exchange table;
- * resolve(name, tensor) and number(name, value) are syncless._metric's slow paths. */
+ * resolve(name, tensor) and number(name, value) are syncless._metric's slow paths; real_types is
+ * its dict of scalar types (numpy's) that number() found to be real: read with float() in C. */
 PyObject *sl_bind_torch(PyObject *module, PyObject *args)
 {
     sl_state *st = sl_get_state(module);
-    PyObject *tensor, *param, *kinds, *capsule, *raw_stream, *resolve, *number;
-    if (!PyArg_ParseTuple(args, "OOO!OOOO", &tensor, &param, &PyDict_Type, &kinds, &capsule,
-                          &raw_stream, &resolve, &number))
+    PyObject *tensor, *param, *kinds, *capsule, *raw_stream, *resolve, *number, *real_types;
+    if (!PyArg_ParseTuple(args, "OOO!OOOOO!", &tensor, &param, &PyDict_Type, &kinds, &capsule,
+                          &raw_stream, &resolve, &number, &PyDict_Type, &real_types))
         return NULL;
     if (!PyType_Check(tensor) || !PyType_Check(param) || !PyCallable_Check(resolve) ||
         !PyCallable_Check(number)) {
@@ -58,6 +59,7 @@ PyObject *sl_bind_torch(PyObject *module, PyObject *args)
     replace_ref(&st->xapi_capsule, capsule);
     replace_ref(&st->resolver, resolve);
     replace_ref(&st->number, number);
+    replace_ref(&st->real_types, real_types);
     st->xapi = api;
     return PyBool_FromLong(api != NULL);
 }

@@ -129,6 +129,11 @@ def _dtensor(name: str, value: Any) -> torch.Tensor:
     return value.full_tensor()
 
 
+#: Scalar types whose every instance is one real number (numpy's real scalar types, added as
+#: they are met): the C side reads them with float() and skips number(). Shared with C at bind.
+REAL_TYPES: dict = {}
+
+
 def number(name: str, value: Any) -> float:
     """A real number that is neither a Python float/int nor a tensor, as a float."""
     if isinstance(value, (str, bytes, bytearray)):
@@ -153,6 +158,9 @@ def number(name: str, value: Any) -> float:
     if not isinstance(f, float):
         raise TypeError(f"metric {name!r}: {type(value).__name__}.__float__ returned "
                         f"{type(f).__name__}")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic) and kind in ("b", "i", "u", "f"):
+        REAL_TYPES[type(value)] = True       # a numpy scalar type: its dtype is its type's
     return f
 
 

@@ -23,6 +23,6 @@ MAX_CELLS: int = _C.MAX_CELLS
 FAST_PATH: bool = _C.bind_torch(torch.Tensor, torch.nn.Parameter, DTYPE_KINDS,
                                 getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
                                 getattr(torch._C, "_cuda_getCurrentRawStream", None),
-                                _metric.resolve, _metric.number)
+                                _metric.resolve, _metric.number, _metric.REAL_TYPES)
 
 __all__ = ["_C", "DTYPE_KINDS", "MAX_CELLS", "FAST_PATH"]
