@@ -18,6 +18,7 @@ row's ratio to the floor. Without a GPU only the perf_counter row runs.
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -25,16 +26,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import median_ci  # noqa: E402  (run as a script from anywhere)
+
 USES = 200
-
-
-def median_ci(xs):
-    """The median and a 95% interval from order statistics (no normality assumed)."""
-    s = sorted(xs)
-    n = len(s)
-    half = 1.96 * math.sqrt(n) / 2
-    lo, hi = max(0, int(math.floor(n / 2 - half))), min(n - 1, int(math.ceil(n / 2 + half)) - 1)
-    return statistics.median(s), s[lo], s[hi]
 
 
 def rows(device: int | None) -> dict:
@@ -108,10 +103,13 @@ def main():
           f"{result['device']}, torch {torch.__version__}")
     print(f"{'':28s} {'median':>8s} {'95% CI':>17s} {'x floor':>8s}")
     for name, xs in samples.items():
-        med, lo, hi = median_ci(xs)
+        med = statistics.median(xs)
+        ci = median_ci(xs)                       # None with fewer than 6 rounds
         ratio = med / floor if floor else math.nan
-        result["rows"][name] = {"median_ns": med, "ci95_ns": [lo, hi], "x_floor": ratio}
-        print(f"{name:28s} {med:8.0f} {f'[{lo:.0f}, {hi:.0f}]':>17s} {ratio:8.2f}")
+        result["rows"][name] = {"median_ns": med, "ci95_ns": list(ci) if ci else None,
+                                "x_floor": ratio}
+        text = f"[{ci[0]:.0f}, {ci[1]:.0f}]" if ci else "n/a"
+        print(f"{name:28s} {med:8.0f} {text:>17s} {ratio:8.2f}")
     if not cuda:
         print("no GPU: only the host clock row ran", file=sys.stderr)
     if args.out:
