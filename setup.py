@@ -3,7 +3,7 @@ import os
 
 from setuptools import Extension, setup
 
-sources = ["module.c", "cuda.c", "metric.c", "ring.c", "events.c", "timer.c"]
+sources = ["module.c", "torch.c", "cuda.c", "metric.c", "ring.c", "events.c", "timer.c"]
 flags = ["-std=c11", "-Wall", "-Wextra", "-O2", "-fvisibility=hidden"]
 if os.environ.get("SYNCLESS_SANITIZE"):
     # The test suite runs once under ASan+UBSan in CI (see .ci/run).
@@ -14,7 +14,8 @@ setup(
         Extension(
             "syncless._C",
             sources=[os.path.join("csrc", s) for s in sources],
-            depends=[os.path.join("csrc", "syncless.h"), os.path.join("csrc", "kernels", "gather_ptx.h")],
+            depends=[os.path.join("csrc", "syncless.h"), os.path.join("csrc", "layout.h"),
+                     os.path.join("csrc", "kernels", "gather_ptx.h")],
             extra_compile_args=flags,
             extra_link_args=["-ldl"] + (["-fsanitize=address,undefined"] if os.environ.get("SYNCLESS_SANITIZE") else []),
             define_macros=[("Py_LIMITED_API", "0x030A0000")],

@@ -43,7 +43,7 @@ def main() -> None:
         ("log.log(K=4)", lambda: log.log(m4)),
         ("log(**K=4)", lambda: log(**m4)),
         ("log.log(K=64)", lambda: log.log(m64)),
-        ("_C.values(K=4 CUDA) (reads only)", lambda: _C.values(m4)),
+        ("_C.read_host_values(K=4 CUDA) (reads only)", lambda: _C.read_host_values(m4)),
         ("EventPair(0)", lambda: _C.EventPair(0)),
         ("pair.start()", pair.start),
         ("pair.start(); pair.stop()", lambda: (pair.start(), pair.stop())),

@@ -29,9 +29,9 @@ def probe(name, fn, n=300_000):
 x = torch.tensor(1.5, device="cuda")
 y = torch.tensor(7, device="cuda")
 xc, yc = torch.tensor(1.5), torch.tensor(7)
-probe("_C.values (2 CPU tensors)", lambda: _C.values({"a": xc, "b": yc}))
-probe("_C.values (2 CUDA tensors)", lambda: _C.values({"a": x, "b": y}))
-probe("_C.values (2 floats)", lambda: _C.values({"a": 1.0, "b": 2.0}))
+probe("_C.read_host_values (2 CPU tensors)", lambda: _C.read_host_values({"a": xc, "b": yc}))
+probe("_C.read_host_values (2 CUDA tensors)", lambda: _C.read_host_values({"a": x, "b": y}))
+probe("_C.read_host_values (2 floats)", lambda: _C.read_host_values({"a": 1.0, "b": 2.0}))
 log = syncless.Logger(every=1000, device="cuda")
 log(a=x, b=y)
 ring, cols = log._ring, log._columns

@@ -145,7 +145,7 @@ void sl_leave_device(sl_state *st, CUcontext prev)
  * (a few ms). Callers hold the device's context current. */
 int sl_gather_functions(sl_state *st, int device, CUfunction out[3])
 {
-    static const char *names[3] = {"sl_gather8", "sl_gather64", "sl_gather248"};
+    static const char *names[3] = {"sl_gather8", "sl_gather64", "sl_gather_max"};
     if (st->module[device] == NULL) {
         if (sl_check(st, st->drv.cuModuleLoadData(&st->module[device], sl_gather_ptx),
                      "cuModuleLoadData (JIT of the gather kernel)"))

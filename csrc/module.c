@@ -1,29 +1,12 @@
 /* syncless._C: module state, multi-phase init and the module-level functions.
  *
  * Importing this module touches neither torch nor CUDA: the driver is loaded by the first Ring,
- * Window or EventPair, and torch is handed in by syncless.logger through bind_torch(). */
+ * Window or EventPair, and torch is handed in by syncless._torch through bind_torch() (torch.c).
+ * The constants Python needs (the ring's layout, the cell limit, the dtype kinds) are defined in
+ * layout.h and exported here, never restated in Python. */
 #include "syncless.h"
 
 #include <string.h>
-
-/* Py_XSETREF is not in the limited API. */
-static void replace_ref(PyObject **slot, PyObject *value)
-{
-    PyObject *old = *slot;
-    Py_INCREF(value);
-    *slot = value;
-    Py_XDECREF(old);
-}
-
-sl_state *sl_get_state(PyObject *module)
-{
-    return (sl_state *)PyModule_GetState(module);
-}
-
-sl_state *sl_type_state(PyTypeObject *type)
-{
-    return (sl_state *)PyType_GetModuleState(type);
-}
 
 /* Our heap types carry the module; a Python subclass of one (Timer, Timing) does not, so look
  * at its bases. Only for constructors: instances keep the state pointer they were made with. */
@@ -40,79 +23,6 @@ sl_state *sl_state_of(PyTypeObject *type)
     return NULL;
 }
 
-/* bind_torch(Tensor, dtype_kinds, exchange_capsule_or_None, raw_stream)
- * dtype_kinds maps torch dtypes to enum sl_kind for torch builds without the exchange table. */
-static PyObject *bind_torch(PyObject *module, PyObject *args)
-{
-    sl_state *st = sl_get_state(module);
-    PyObject *tensor, *kinds, *capsule, *raw_stream;
-    if (!PyArg_ParseTuple(args, "OO!OO", &tensor, &PyDict_Type, &kinds, &capsule, &raw_stream))
-        return NULL;
-    if (!PyType_Check(tensor)) {
-        PyErr_SetString(PyExc_TypeError, "bind_torch() needs torch.Tensor");
-        return NULL;
-    }
-    const sl_exchange_api *api = NULL;
-    if (capsule != Py_None) {
-        api = (const sl_exchange_api *)PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
-        if (api == NULL)
-            return NULL;
-        if (api->major != 1 || api->dltensor_from_py_object_no_sync == NULL ||
-            api->current_work_stream == NULL)
-            api = NULL; /* an ABI we were not written for: use the attribute path */
-    }
-    replace_ref(&st->tensor_type, tensor);
-    replace_ref(&st->dtype_codes, kinds);
-    replace_ref(&st->raw_stream, raw_stream);
-    replace_ref(&st->xapi_capsule, capsule);
-    st->xapi = api;
-    return PyBool_FromLong(api != NULL);
-}
-
-/* values(metrics) -> (device, {name: float} or None)
- * Reads every metric of a call once. When none lives on a GPU the floats come back (the host
- * path of a logger); otherwise the CUDA device of the first GPU metric and None. */
-static PyObject *values(PyObject *module, PyObject *metrics)
-{
-    sl_state *st = sl_get_state(module);
-    if (!PyDict_Check(metrics)) {
-        PyErr_SetString(PyExc_TypeError, "metrics must be a dict of name -> value");
-        return NULL;
-    }
-    PyObject *out = PyDict_New();
-    if (out == NULL)
-        return NULL;
-    Py_ssize_t pos = 0;
-    PyObject *name, *value;
-    int device = -1;
-    while (PyDict_Next(metrics, &pos, &name, &value)) {
-        sl_metric m;
-        if (sl_metric_read(st, name, value, &m))
-            goto error;
-        if (m.device >= 0) {
-            if (device < 0)
-                device = m.device;
-            continue;
-        }
-        double v;
-        memcpy(&v, &m.cell.bits, 8);
-        PyObject *f = PyFloat_FromDouble(v);
-        if (f == NULL || PyDict_SetItem(out, name, f)) {
-            Py_XDECREF(f);
-            goto error;
-        }
-        Py_DECREF(f);
-    }
-    if (device >= 0) {
-        Py_DECREF(out);
-        return Py_BuildValue("(iO)", device, Py_None);
-    }
-    return Py_BuildValue("(iN)", -1, out);
-error:
-    Py_DECREF(out);
-    return NULL;
-}
-
 static PyObject *driver_version(PyObject *module, PyObject *unused)
 {
     (void)unused;
@@ -122,16 +32,17 @@ static PyObject *driver_version(PyObject *module, PyObject *unused)
     return PyLong_FromLong(st->drv.version);
 }
 
-PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
-
 static PyMethodDef methods[] = {
-    {"bind_torch", bind_torch, METH_VARARGS,
-     "bind_torch(Tensor, dtype_kinds, exchange_capsule, raw_stream) -> whether the fast path is "
-     "on"},
-    {"values", values, METH_O,
-     "values(metrics) -> (device, floats or None): read one call's metrics"},
+    {"bind_torch", sl_bind_torch, METH_VARARGS,
+     "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number, "
+     "real_types) -> whether the fast path is on"},
+    {"read_host_values", sl_read_host_values, METH_O,
+     "read_host_values(metrics) -> (device, floats or None): read one call's metrics on the host, "
+     "or name the CUDA device of the first GPU one"},
     {"driver_version", driver_version, METH_NOARGS,
      "Load the CUDA driver (if not yet) and return its version, e.g. 13000."},
+    {"event_floor", sl_event_floor, METH_VARARGS,
+     "event_floor(device, n) -> {what: ns per pair}: the driver's cost of timing, measured in C"},
     {"ring_nbytes", sl_ring_nbytes, METH_VARARGS,
      "ring_nbytes(capacity, columns) -> device bytes a Ring of that shape needs"},
     {NULL, NULL, 0, NULL},
@@ -145,7 +56,8 @@ static int exec_module(PyObject *module)
         !(st->dtype_str = PyUnicode_InternFromString("dtype")) ||
         !(st->get_device_str = PyUnicode_InternFromString("get_device")) ||
         !(st->numel_str = PyUnicode_InternFromString("numel")) ||
-        !(st->is_cuda_str = PyUnicode_InternFromString("is_cuda")))
+        !(st->is_neg_str = PyUnicode_InternFromString("is_neg")) ||
+        !(st->storage_offset_str = PyUnicode_InternFromString("storage_offset")))
         return -1;
     if (sl_CudaError == NULL) {
         sl_CudaError =
@@ -158,7 +70,33 @@ static int exec_module(PyObject *module)
     }
     if (PyModule_AddObjectRef(module, "CudaError", sl_CudaError))
         return -1;
-    if (sl_ring_init_types(module, st) || sl_timer_init_types(module, st) ||
+    PyObject *kinds = PyDict_New();
+    if (kinds == NULL)
+        return -1;
+    for (const sl_kind_info *k = sl_kinds; k->name; k++) {
+        PyObject *v = PyLong_FromLong(k->kind);
+        if (v == NULL || PyDict_SetItemString(kinds, k->name, v)) {
+            Py_XDECREF(v);
+            Py_DECREF(kinds);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    int rc = PyModule_AddObjectRef(module, "KINDS", kinds);
+    Py_DECREF(kinds);
+    if (rc || PyModule_AddIntConstant(module, "MAX_CELLS", SL_MAX_CELLS) ||
+        PyModule_AddIntConstant(module, "HEADER_BYTES", SL_HEADER_BYTES) ||
+        PyModule_AddIntConstant(module, "ROW_HEADER_WORDS", SL_ROW_HEADER_WORDS) ||
+        PyModule_AddIntConstant(module, "COLUMN_BLOCK", SL_COLUMN_BLOCK))
+        return -1;
+    PyObject *tag = PyLong_FromUnsignedLongLong(SL_CAPTURED_TAG);
+    if (tag == NULL)
+        return -1;
+    rc = PyModule_AddObjectRef(module, "CAPTURED_TAG", tag);
+    Py_DECREF(tag);
+    if (rc)
+        return -1;
+    if (sl_ring_init_types(module, st) || sl_event_pair_init_types(module, st) ||
         sl_clock_init_types(module, st))
         return -1;
     return 0;
@@ -169,7 +107,7 @@ static int traverse(PyObject *module, visitproc visit, void *arg)
     sl_state *st = sl_get_state(module);
     Py_VISIT(st->ring_type);
     Py_VISIT(st->window_type);
-    Py_VISIT(st->timer_type);
+    Py_VISIT(st->event_pair_type);
     Py_VISIT(st->clock_type);
     Py_VISIT(st->timing_type);
     Py_VISIT(st->auto_device);
@@ -177,6 +115,12 @@ static int traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(st->xapi_capsule);
     Py_VISIT(st->dtype_codes);
     Py_VISIT(st->raw_stream);
+    Py_VISIT(st->param_type);
+    Py_VISIT(st->resolver);
+    Py_VISIT(st->number);
+    Py_VISIT(st->real_types);
+    Py_VISIT(st->is_neg_fn);
+    Py_VISIT(st->offset_fn);
     return 0;
 }
 
@@ -185,7 +129,7 @@ static int clear(PyObject *module)
     sl_state *st = sl_get_state(module);
     Py_CLEAR(st->ring_type);
     Py_CLEAR(st->window_type);
-    Py_CLEAR(st->timer_type);
+    Py_CLEAR(st->event_pair_type);
     Py_CLEAR(st->clock_type);
     Py_CLEAR(st->timing_type);
     Py_CLEAR(st->auto_device);
@@ -199,7 +143,14 @@ static int clear(PyObject *module)
     Py_CLEAR(st->dtype_str);
     Py_CLEAR(st->get_device_str);
     Py_CLEAR(st->numel_str);
-    Py_CLEAR(st->is_cuda_str);
+    Py_CLEAR(st->is_neg_str);
+    Py_CLEAR(st->storage_offset_str);
+    Py_CLEAR(st->param_type);
+    Py_CLEAR(st->resolver);
+    Py_CLEAR(st->number);
+    Py_CLEAR(st->real_types);
+    Py_CLEAR(st->is_neg_fn);
+    Py_CLEAR(st->offset_fn);
     st->xapi = NULL;
     return 0;
 }

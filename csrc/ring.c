@@ -2,32 +2,27 @@
  *
  *   Ring.gather(metrics, columns, tag, step, time)  one kernel launch writes one row
  *   Ring.copy_to(window)                            one async D2H copy of the ring + one event
- *   Window.wait() / Window.ready()                  completion, without the training thread
- *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, {name: value})
+ *   Window.wait()                                   completion, off the training thread
+ *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, gpu_ns, values)
  *
- * Device memory layout (allocated by torch, handed to us as an address): a header of 256 words
- * (word 0: the write counter, rows ever written; words 1..255: replay counters of calls captured
- * into CUDA graphs), then `capacity` rows of `row_words` 8-byte words: seq, tag, step, time,
- * presence mask[mask_words], values[columns] as binary64. */
+ * Device memory (allocated by torch, handed to us as an address) is laid out as layout.h says:
+ * a header of SL_HEADER_BYTES, then `capacity` rows of `row_words` 8-byte words. */
 #include "syncless.h"
 
 #include <math.h>
 #include <string.h>
-
-#define HEADER_BYTES 2048
-#define REPLAY_SLOTS 255
-#define CAPTURED_TAG (1ull << 63)
 
 typedef struct {
     uint64_t ring, counter, tag, replays;
     int64_t step;
     double time;
     uint32_t capacity, row_words, mask_words, n;
-    sl_cell cell[248];
+    sl_cell cell[SL_MAX_CELLS];
 } launch_args;
 
 typedef struct {
-    PyObject_HEAD int device;
+    PyObject_HEAD
+    int device;
     uint64_t base; /* device address of the header */
     uint32_t capacity, columns, mask_words, row_words;
     CUfunction fn[3];
@@ -38,7 +33,8 @@ typedef struct {
 } Ring;
 
 typedef struct {
-    PyObject_HEAD int device;
+    PyObject_HEAD
+    int device;
     char *host; /* pinned host memory (a torch tensor the Python side keeps alive) */
     size_t nbytes;
     CUevent done;
@@ -46,9 +42,14 @@ typedef struct {
     int pending; /* a copy was enqueued and not yet waited for */
 } Window;
 
+static uint32_t row_words(uint32_t columns)
+{
+    return SL_ROW_HEADER_WORDS + columns / SL_COLUMN_BLOCK + columns;
+}
+
 static size_t ring_bytes(uint32_t capacity, uint32_t row_words)
 {
-    return HEADER_BYTES + (size_t)capacity * row_words * 8;
+    return SL_HEADER_BYTES + (size_t)capacity * row_words * 8;
 }
 
 /* ---- Ring ------------------------------------------------------------------------------------ */
@@ -62,8 +63,9 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iKII", kwlist, &device, &address, &capacity,
                                      &columns))
         return NULL;
-    if (capacity == 0 || columns == 0 || columns % 64) {
-        PyErr_SetString(PyExc_ValueError, "ring needs capacity > 0 and columns a multiple of 64");
+    if (capacity == 0 || columns == 0 || columns % SL_COLUMN_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "ring needs capacity > 0 and columns a multiple of %d",
+                     SL_COLUMN_BLOCK);
         return NULL;
     }
     sl_state *st = sl_type_state(type);
@@ -79,8 +81,8 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     self->base = address;
     self->capacity = capacity;
     self->columns = columns;
-    self->mask_words = columns / 64;
-    self->row_words = 4 + self->mask_words + columns;
+    self->mask_words = columns / SL_COLUMN_BLOCK;
+    self->row_words = row_words(columns);
     self->last_stream = NULL;
     self->launched = 0;
     self->captured_calls = 0;
@@ -102,19 +104,20 @@ static void Ring_dealloc(Ring *self)
     Py_DECREF(type);
 }
 
-/* Fill args->cell from a {name: value} dict; names map to columns through `columns`. */
+/* Fill args->cell from a {name: value} dict; names map to columns through `columns`.
+ * keep[] receives the tensors made by the resolver (a.n references at most, NULL or new). */
 static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *columns,
-                      launch_args *a)
+                      launch_args *a, PyObject **keep)
 {
     Py_ssize_t pos = 0;
     PyObject *name, *value;
     uint32_t n = 0;
     while (PyDict_Next(metrics, &pos, &name, &value)) {
-        if (n == 248) {
+        if (n == SL_MAX_CELLS) {
             PyErr_Format(PyExc_ValueError,
-                         "at most 248 metrics per call (got %zd); split them "
+                         "at most %d metrics per call (got %zd); split them "
                          "over two calls with the same step",
-                         PyDict_Size(metrics));
+                         SL_MAX_CELLS, PyDict_Size(metrics));
             return -1;
         }
         PyObject *col = PyDict_GetItemWithError(columns, name); /* borrowed */
@@ -124,8 +127,9 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
             return -1;
         }
         sl_metric m;
-        if (sl_metric_read(st, name, value, &m))
+        if (sl_metric_read(st, name, value, &m, &keep[n]))
             return -1;
+        a->n = n + 1; /* keep[n] is the caller's to release from here on */
         if (m.device >= 0 && m.device != self->device) {
             PyErr_Format(PyExc_ValueError,
                          "metric %R is on cuda:%d but this logger's ring is on "
@@ -141,8 +145,13 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
         }
         a->cell[n++] = m.cell;
     }
-    a->n = n;
     return 0;
+}
+
+static void release(PyObject **keep, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        Py_XDECREF(keep[i]);
 }
 
 /* Returns 1 when the launch was captured into a CUDA graph, else 0. */
@@ -154,31 +163,39 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     }
     sl_state *st = sl_type_state(Py_TYPE(self));
     launch_args a;
+    PyObject *keep[SL_MAX_CELLS];
+    a.n = 0;
     a.tag = PyLong_AsUnsignedLongLong(args[2]);
     a.replays = 0;
     a.step = PyLong_AsLongLong(args[3]);
     a.time = PyFloat_AsDouble(args[4]);
-    if (PyErr_Occurred() || read_cells(st, self, args[0], args[1], &a))
+    if (PyErr_Occurred())
         return NULL;
+    if (read_cells(st, self, args[0], args[1], &a, keep)) {
+        release(keep, a.n);
+        return NULL;
+    }
 
     CUcontext prev;
     CUstream stream;
-    if (sl_enter_device(st, self->device, &prev))
+    if (sl_enter_device(st, self->device, &prev)) {
+        release(keep, a.n);
         return NULL;
+    }
     int capturing = 0, rc = -1;
     if (sl_current_stream(st, self->device, &stream) ||
         sl_check(st, st->drv.cuStreamIsCapturing(stream, &capturing), "cuStreamIsCapturing"))
         goto done;
     capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
     if (capturing) {
-        if (self->captured_calls == REPLAY_SLOTS) {
+        if (self->captured_calls == SL_REPLAY_SLOTS) {
             PyErr_Format(PyExc_RuntimeError,
                          "at most %d log() calls of one Logger can be "
                          "captured into CUDA graphs",
-                         REPLAY_SLOTS);
+                         SL_REPLAY_SLOTS);
             goto done;
         }
-        a.tag |= CAPTURED_TAG;
+        a.tag |= SL_CAPTURED_TAG;
         a.replays = self->base + 8 * (uint64_t)(1 + self->captured_calls++);
     } else if (self->launched && stream != self->last_stream) {
         /* Rows must land in call order: the new stream waits for the ring's last use. */
@@ -186,7 +203,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
             sl_check(st, st->drv.cuStreamWaitEvent(stream, self->order, 0), "cuStreamWaitEvent"))
             goto done;
     }
-    a.ring = self->base + HEADER_BYTES;
+    a.ring = self->base + SL_HEADER_BYTES;
     a.counter = self->base;
     a.capacity = self->capacity;
     a.row_words = self->row_words;
@@ -207,6 +224,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     rc = 0;
 done:
     sl_leave_device(st, prev);
+    release(keep, a.n); /* stream order: a later reuse of their memory runs after the kernel */
     if (rc)
         return NULL;
     return PyBool_FromLong(capturing);
@@ -292,12 +310,6 @@ static PyObject *Ring_copy_to(Ring *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-static PyObject *Ring_get_nbytes(Ring *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromSize_t(ring_bytes(self->capacity, self->row_words));
-}
-
 static PyObject *Ring_get_columns(Ring *self, void *closure)
 {
     (void)closure;
@@ -308,12 +320,6 @@ static PyObject *Ring_get_capacity(Ring *self, void *closure)
 {
     (void)closure;
     return PyLong_FromUnsignedLong(self->capacity);
-}
-
-static PyObject *Ring_get_device(Ring *self, void *closure)
-{
-    (void)closure;
-    return PyLong_FromLong(self->device);
 }
 
 static PyMethodDef Ring_methods[] = {
@@ -328,10 +334,8 @@ static PyMethodDef Ring_methods[] = {
 };
 
 static PyGetSetDef Ring_getset[] = {
-    {"nbytes", (getter)Ring_get_nbytes, NULL, "bytes of device memory the ring needs", NULL},
     {"columns", (getter)Ring_get_columns, NULL, "metric columns per row", NULL},
     {"capacity", (getter)Ring_get_capacity, NULL, "rows", NULL},
-    {"device", (getter)Ring_get_device, NULL, "CUDA ordinal", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -342,7 +346,11 @@ PyObject *sl_ring_nbytes(PyObject *module, PyObject *args)
     unsigned capacity, columns;
     if (!PyArg_ParseTuple(args, "II", &capacity, &columns))
         return NULL;
-    return PyLong_FromSize_t(ring_bytes(capacity, 4 + columns / 64 + columns));
+    if (columns % SL_COLUMN_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "columns must be a multiple of %d", SL_COLUMN_BLOCK);
+        return NULL;
+    }
+    return PyLong_FromSize_t(ring_bytes(capacity, row_words(columns)));
 }
 
 /* ---- Window ---------------------------------------------------------------------------------- */
@@ -388,20 +396,6 @@ static void Window_dealloc(Window *self)
     Py_DECREF(type);
 }
 
-static PyObject *Window_ready(Window *self, PyObject *unused)
-{
-    (void)unused;
-    if (!self->pending)
-        Py_RETURN_TRUE;
-    sl_state *st = sl_type_state(Py_TYPE(self));
-    CUresult rc = st->drv.cuEventQuery(self->done);
-    if (rc == CUDA_ERROR_NOT_READY)
-        Py_RETURN_FALSE;
-    if (sl_check(st, rc, "cuEventQuery"))
-        return NULL;
-    Py_RETURN_TRUE;
-}
-
 /* Block this (delivery) thread until the copy landed. The event was created with the
  * blocking-sync flag, so the thread sleeps instead of spinning a core, and the GIL is released
  * so the training thread runs on meanwhile. */
@@ -416,8 +410,10 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
         CUcontext prev;
         if (sl_enter_device(st, self->device, &prev))
             return NULL;
-        Py_BEGIN_ALLOW_THREADS rc = st->drv.cuEventSynchronize(self->done);
-        Py_END_ALLOW_THREADS sl_leave_device(st, prev);
+        Py_BEGIN_ALLOW_THREADS
+        rc = st->drv.cuEventSynchronize(self->done);
+        Py_END_ALLOW_THREADS
+        sl_leave_device(st, prev);
     }
     if (sl_check(st, rc, "cuEventSynchronize (window copy)"))
         return NULL;
@@ -425,7 +421,8 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
 }
 
 /* decode(from_seq, names, nonfinite) -> (counter, rows)
- * rows: [(seq, tag, step, time, {name: value})] for seq in [from_seq, counter) still in the ring;
+ * rows: [(seq, tag, step, time, gpu_ns, {name: value})] for seq in [from_seq, counter) still in
+ * the ring;
  * names[column] is the metric name; nonfinite[name] counts NaN/Inf values. */
 static PyObject *Window_decode(Window *self, PyObject *args)
 {
@@ -444,11 +441,11 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         return NULL;
     Py_ssize_t nnames = PyList_Size(names);
     for (uint64_t seq = first; seq < counter; seq++) {
-        const uint64_t *row = (const uint64_t *)(self->host + HEADER_BYTES) +
+        const uint64_t *row = (const uint64_t *)(self->host + SL_HEADER_BYTES) +
                               (seq % self->capacity) * self->row_words;
-        if (row[0] != seq)
+        if (row[SL_ROW_SEQ] != seq)
             continue; /* not written in stream order before the copy (another stream's write) */
-        const uint64_t *mask = row + 4;
+        const uint64_t *mask = row + SL_ROW_HEADER_WORDS;
         const double *values = (const double *)(mask + self->mask_words);
         PyObject *d = PyDict_New();
         if (d == NULL)
@@ -483,10 +480,10 @@ static PyObject *Window_decode(Window *self, PyObject *args)
             }
         }
         double time;
-        memcpy(&time, &row[3], 8);
-        PyObject *item =
-            Py_BuildValue("(KKLdN)", (unsigned long long)row[0], (unsigned long long)row[1],
-                          (long long)(int64_t)row[2], time, d);
+        memcpy(&time, &row[SL_ROW_TIME], 8);
+        PyObject *item = Py_BuildValue(
+            "(KKLdKN)", (unsigned long long)row[SL_ROW_SEQ], (unsigned long long)row[SL_ROW_TAG],
+            (long long)(int64_t)row[SL_ROW_STEP], time, (unsigned long long)row[SL_ROW_GPU_NS], d);
         if (item == NULL || PyList_Append(rows, item)) {
             Py_XDECREF(item);
             goto error;
@@ -499,23 +496,11 @@ error:
     return NULL;
 }
 
-static PyObject *Window_get_pending(Window *self, void *closure)
-{
-    (void)closure;
-    return PyBool_FromLong(self->pending);
-}
-
 static PyMethodDef Window_methods[] = {
-    {"ready", (PyCFunction)Window_ready, METH_NOARGS, "True once the copy landed (no wait)."},
     {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
      "decode(from_seq, names, nonfinite) -> (counter, rows)"},
     {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef Window_getset[] = {
-    {"pending", (getter)Window_get_pending, NULL, "a copy is enqueued and not decoded", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot Ring_slots[] = {
@@ -531,7 +516,6 @@ static PyType_Slot Window_slots[] = {
     {Py_tp_new, Window_new},
     {Py_tp_dealloc, Window_dealloc},
     {Py_tp_methods, Window_methods},
-    {Py_tp_getset, Window_getset},
     {Py_tp_doc, "Window(device, address, nbytes): pinned host memory a ring is copied into."},
     {0, NULL},
 };

@@ -13,6 +13,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "layout.h"
+
 /* ---- CUDA driver API (subset) ------------------------------------------------------------ */
 typedef int CUresult;
 typedef int CUdevice;
@@ -61,6 +63,14 @@ typedef struct sl_driver {
 /* ---- DLPack (v1.x ABI) and torch's C exchange table ---------------------------------------- */
 enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13 };
 enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
+/* DLPack >= 1.1 (torch reports 1.3): the 8-bit floats. */
+enum {
+    kDLFloat8_e4m3fn = 10,
+    kDLFloat8_e4m3fnuz = 11,
+    kDLFloat8_e5m2 = 12,
+    kDLFloat8_e5m2fnuz = 13,
+    kDLFloat8_e8m0fnu = 14,
+};
 
 typedef struct {
     int32_t device_type;
@@ -96,23 +106,13 @@ typedef struct {
 } sl_exchange_api;
 
 /* ---- metric values ------------------------------------------------------------------------- */
-/* What the gather kernel reads for one cell; the order is part of the kernel's ABI. */
-enum sl_kind {
-    SL_HOST = 0, /* value carried by the launch itself (a Python number or a CPU tensor) */
-    SL_F16,
-    SL_BF16,
-    SL_F32,
-    SL_F64,
-    SL_I8,
-    SL_I16,
-    SL_I32,
-    SL_I64,
-    SL_U8,
-    SL_U16,
-    SL_U32,
-    SL_U64,
-    SL_BOOL,
-};
+typedef struct {
+    int kind;
+    const char *name; /* torch's dtype name */
+    int code, bits;   /* DLPack */
+} sl_kind_info;
+
+extern const sl_kind_info sl_kinds[]; /* ends with a NULL name */
 
 typedef struct {
     uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
@@ -131,12 +131,18 @@ typedef struct {
 typedef struct {
     PyTypeObject *ring_type;
     PyTypeObject *window_type;
-    PyTypeObject *timer_type;
+    PyTypeObject *event_pair_type;
     PyTypeObject *clock_type;
     PyObject *tensor_type;       /* torch.Tensor once registered, else NULL */
     const sl_exchange_api *xapi; /* borrowed from the capsule we keep in xapi_capsule */
     PyObject *xapi_capsule;
-    PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_cuda_str;
+    PyObject *param_type;            /* torch.nn.Parameter: read like a Tensor (same storage) */
+    PyObject *resolver;              /* syncless._metric.resolve(name, tensor) -> plain tensor */
+    PyObject *number;                /* syncless._metric.number(name, value) -> float */
+    PyObject *real_types;            /* {type: True}: scalar types number() found real */
+    PyObject *is_neg_fn, *offset_fn; /* Tensor.is_neg, Tensor.storage_offset (unbound) */
+    PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_neg_str;
+    PyObject *storage_offset_str;
     PyObject *dtype_codes; /* {torch.dtype: kind} for the fallback path */
     PyObject *raw_stream;  /* torch._C._cuda_getCurrentRawStream, for the fallback path */
     /* The driver: loaded on first use. */
@@ -155,9 +161,19 @@ typedef struct {
     int pool_len[SL_MAX_DEVICES], pool_cap[SL_MAX_DEVICES];
 } sl_state;
 
-sl_state *sl_get_state(PyObject *module);
-sl_state *sl_type_state(PyTypeObject *type);
-sl_state *sl_state_of(PyTypeObject *type); /* also for a Python subclass of one of our types */
+static inline sl_state *sl_get_state(PyObject *module)
+{
+    return (sl_state *)PyModule_GetState(module);
+}
+
+/* The state of the module that defined `type` (Ring, Window, EventPair). */
+static inline sl_state *sl_type_state(PyTypeObject *type)
+{
+    return (sl_state *)PyType_GetModuleState(type);
+}
+
+/* Also for a Python subclass of one of our types (Timer, Timing), whose type has no module. */
+sl_state *sl_state_of(PyTypeObject *type);
 
 /* cuda.c */
 int sl_driver_load(sl_state *st);                          /* 0, or -1 with an exception set */
@@ -167,17 +183,25 @@ void sl_leave_device(sl_state *st, CUcontext prev);
 int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
 extern PyObject *sl_CudaError;
 
-/* metric.c */
-int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out);
+/* torch.c */
+PyObject *sl_bind_torch(PyObject *module, PyObject *args);
 int sl_current_stream(sl_state *st, int device, CUstream *out);
+
+/* metric.c */
+PyObject *sl_read_host_values(PyObject *module, PyObject *metrics);
+/* 0, or -1 with an exception set. *keep receives a new reference (or NULL) to a tensor the
+ * cell points into, which must stay alive until the launch is enqueued. */
+int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out, PyObject **keep);
 
 /* ring.c */
 int sl_ring_init_types(PyObject *module, sl_state *st);
+PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
 
 /* events.c: an event pair, also the record of one timed block (Python's Timing subclasses it;
  * timer.c makes them): host clock readings and the GPU reading once known (NaN until then). */
 typedef struct sl_pair {
-    PyObject_HEAD int device; /* CUDA ordinal, or -1 for a block timed on the host clock */
+    PyObject_HEAD
+    int device; /* CUDA ordinal, or -1 for a block timed on the host clock */
     CUevent start, stop;
     CUstream started_on;
     int state; /* 0 fresh, 1 started, 2 stopped */
@@ -194,7 +218,8 @@ int sl_clock_init_types(PyObject *module, sl_state *st);
 /* events.c */
 int sl_event_take(sl_state *st, int device, CUevent *out);
 void sl_event_give(sl_state *st, int device, CUevent ev);
-int sl_timer_init_types(PyObject *module, sl_state *st);
+int sl_event_pair_init_types(PyObject *module, sl_state *st);
+PyObject *sl_event_floor(PyObject *module, PyObject *args);
 void sl_events_clear(sl_state *st);
 
 #endif

@@ -17,7 +17,8 @@ enum { MODE_CPU = -1, MODE_CUDA = -2, MODE_AUTO = -3 };
 enum { HOOK_AFTER = 1, HOOK_BEFORE = 2 };
 
 typedef struct {
-    PyObject_HEAD int mode; /* a CUDA ordinal, or MODE_* */
+    PyObject_HEAD
+    int mode; /* a CUDA ordinal, or MODE_* */
     int hooks;
     PyObject *name; /* str or None */
     PyObject *open; /* list: records of blocks entered and not yet exited, innermost last */
@@ -198,7 +199,7 @@ static PyObject *TimerBase_exit(TimerBase *self, PyObject *const *args, Py_ssize
     PyObject *old = self->last;
     self->last = (PyObject *)rec; /* takes our reference */
     Py_XDECREF(old);
-    Py_RETURN_FALSE;                         /* never swallows the block's exception */
+    Py_RETURN_FALSE; /* never swallows the block's exception */
 }
 
 static PyMethodDef TimerBase_methods[] = {
@@ -244,7 +245,7 @@ static PyObject *bind_timer(PyObject *module, PyObject *args)
     PyObject *timing, *chooser;
     if (!PyArg_ParseTuple(args, "OO", &timing, &chooser))
         return NULL;
-    if (!PyType_Check(timing) || !PyType_IsSubtype((PyTypeObject *)timing, st->timer_type) ||
+    if (!PyType_Check(timing) || !PyType_IsSubtype((PyTypeObject *)timing, st->event_pair_type) ||
         !PyCallable_Check(chooser)) {
         PyErr_SetString(PyExc_TypeError, "bind_timer(Timing: EventPair subclass, callable)");
         return NULL;

@@ -30,12 +30,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ._torch import MAX_CELLS     # the gather kernel's cells per log() call
 from .logger import Logger
 
 _log = logging.getLogger("syncless")
 
-# The gather kernel's cells per log() call. At merge: `from ._C import MAX_CELLS`.
-MAX_CELLS = 248
 _MAX_REPORTS = 20                  # distinct failing metrics reported by name, then only counted
 
 _STEP, _WALL = "s", "w"            # the row's cells for a tensor step / walltime

@@ -26,11 +26,13 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+from ._torch import _C
+
 __all__ = ["Delivery", "Pool", "Row", "RESERVED"]
 
 _log = logging.getLogger("syncless")
 
-_CAPTURED = 1 << 63
+_CAPTURED = _C.CAPTURED_TAG           # tag bit of a row written by a CUDA graph replay
 GPU_STEP = "gpu/step_ms"
 GPU_LAG = "gpu/lag_ms"
 RESERVED = frozenset({"step", "time"})       # every row's own fields in JSONL and CSV

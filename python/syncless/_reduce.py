@@ -19,6 +19,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from ._torch import _C
+
 OPS = ("mean", "sum", "min", "max")
 
 
@@ -125,24 +127,29 @@ class Reducer:
                     names: list[str]) -> None:
         """Reduce a ring in place on the current stream (no host wait)."""
         self.check_schema(names, -1)
-        mask_words = columns // 64
-        rows = memory[2048:].view(torch.float64).view(capacity, 4 + mask_words + columns)
-        bits = rows[:, 4:4 + mask_words].view(torch.int64)
-        shifts = torch.arange(64, device=memory.device, dtype=torch.int64)
+        # The layout is the C side's (layout.h): header, then rows of [row header | presence
+        # mask, one bit per column in 64-bit words | one float64 per column].
+        block = _C.COLUMN_BLOCK
+        mask_words = columns // block
+        mask = _C.ROW_HEADER_WORDS                       # first mask word of a row
+        first = mask + mask_words                        # first value word of a row
+        rows = memory[_C.HEADER_BYTES:].view(torch.float64).view(capacity, first + columns)
+        bits = rows[:, mask:first].view(torch.int64)
+        shifts = torch.arange(block, device=memory.device, dtype=torch.int64)
         present = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(capacity, columns)
         n = len(names)
-        values = rows[:, 4 + mask_words:4 + mask_words + n]
+        values = rows[:, first:first + n]
         reduced, any_present = self._reduce(values, present[:, :n], names)
-        rows[:, 4 + mask_words:4 + mask_words + n] = reduced
+        rows[:, first:first + n] = reduced
         full = torch.zeros(capacity, columns, dtype=torch.int64, device=memory.device)
         full[:, :n] = any_present.to(torch.int64)
-        words = (full.view(capacity, mask_words, 64) << shifts).sum(-1)
-        rows[:, 4:4 + mask_words] = words.view(torch.float64)
+        words = (full.view(capacity, mask_words, block) << shifts).sum(-1)
+        rows[:, mask:first] = words.view(torch.float64)
 
     # ---- host rows --------------------------------------------------------------------------
 
     def reduce_rows(self, rows: list, names: list[str]) -> list:
-        from .logger import Row
+        """rows: the logger's Row tuples; returns them with reduced values (same type)."""
         self.check_schema(names, len(rows))
         n = len(names)
         values = torch.zeros(len(rows), n, dtype=torch.float64)
@@ -157,5 +164,5 @@ class Reducer:
         for i, row in enumerate(rows):
             vals = reduced[i].tolist()
             keep = any_present[i].tolist()
-            out.append(Row(row.step, row.time, {names[c]: vals[c] for c in range(n) if keep[c]}))
+            out.append(row._replace(values={names[c]: vals[c] for c in range(n) if keep[c]}))
         return out

@@ -26,15 +26,15 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from . import _C, _compile
+from . import _compile
 from ._delivery import RESERVED, Delivery, Pool, Row
+from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
 _log = logging.getLogger("syncless")
 
-_MAX_PER_CALL = 248          # cells in the largest gather kernel's parameter block
-_COLUMN_BLOCK = 64           # the ring grows its columns in blocks of 64 (one mask word)
+_COLUMN_BLOCK = _C.COLUMN_BLOCK      # the ring grows its columns in blocks of one mask word
 
 # CUDA graphs that captured a gather keep writing into that ring on every replay, even after
 # the logger closed; keeping such rings alive (a few KB each) makes a late replay harmless.
@@ -44,19 +44,6 @@ _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first ca
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 
 
-def _bind_torch() -> None:
-    kinds = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4,
-             torch.int8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9,
-             torch.bool: 13}
-    for name, kind in (("uint16", 10), ("uint32", 11), ("uint64", 12)):
-        if hasattr(torch, name):
-            kinds[getattr(torch, name)] = kind
-    capsule = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    _C.bind_torch(torch.Tensor, kinds, capsule, raw_stream)
-
-
-_bind_torch()
 
 
 class LoggerStats(NamedTuple):
@@ -280,7 +267,7 @@ class Logger:
         if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
             raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
                              "split them over two calls with the same step")
-        device, values = _C.values(metrics)
+        device, values = _C.read_host_values(metrics)
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
             self._add_columns(metrics)

@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from . import _C, _compile
-from .logger import Logger     # importing the logger also hands torch's stream source to _C
+from . import _compile
+from ._torch import _C
+from .logger import Logger
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
            "load_ipython_extension"]

@@ -222,7 +222,7 @@ class StepMonitor:
         if self._gpu_wanted is False or not torch.cuda.is_available():
             self._gpu = -1
         elif torch.cuda.is_initialized():          # else undecided: ask again next step
-            from .. import _C
+            from .._torch import _C
             self._EventPair = _C.EventPair
             self._device = torch.cuda.current_device()
             self._gpu = 1
