@@ -176,8 +176,11 @@ def _lightning_fit(device: str, model_cfg: dict, syncless: bool, steps: int, win
     out = {"waits": 0}
     if syncless:
         out["waits"] = cbs[0].syncless.stats.waits
-    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
-        out["values"] = list(csv.reader(f))
+    path = os.path.join(trainer.logger.log_dir, "metrics.csv")
+    out["values"] = []                       # no file when no step was a logging step
+    if os.path.exists(path):
+        with open(path) as f:
+            out["values"] = list(csv.reader(f))
     return out
 
 

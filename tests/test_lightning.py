@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import syncless  # noqa: E402
 from syncless.lightning import SynclessLogging  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -178,13 +179,27 @@ def test_exception_keeps_every_logged_step(tmp_path):
     assert _csv(fast) == rows
 
 
-def test_float_values_and_log_restored(tmp_path):
-    fast, _ = _fit(tmp_path, True, max_epochs=1)
+def test_float_values_sinks_and_log_restored(tmp_path):
+    rows = []
+    sink = syncless.sinks.Callback(lambda step, t, values: rows.append((step, values)))
+    pl.seed_everything(0, verbose=False)
+    train, _val = _data()
+    fast = pl.Trainer(max_epochs=1, callbacks=[SynclessLogging(every=5, sinks=[sink])],
+                      logger=False, enable_checkpointing=False, enable_model_summary=False,
+                      enable_progress_bar=False, accelerator="cpu", accumulate_grad_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast.fit(Model(), train)
     model = fast.lightning_module
     assert "log" not in model.__dict__               # the module's own log() is back
     cb = next(c for c in fast.callbacks if isinstance(c, SynclessLogging))
     assert cb.syncless.closed and cb.syncless.stats.steps == 12
     assert cb.syncless.latest["lr"] == float(torch.tensor(0.1))    # float32, as Lightning logs it
+    # One row per batch at Lightning's step (two batches per optimizer step here), with its keys.
+    assert [step for step, _ in rows] == [i // 2 for i in range(12)]
+    assert [v["n"] for _, v in rows] == [float(i) for i in range(12)]
+    assert set(rows[0][1]) == {"loss", "both_step", "lr", "n", "sparse", "mx_step"}
+    assert set(rows[1][1]) == {"loss", "both_step", "lr", "n", "mx_step", "wnorm"}
 
 
 def test_import_syncless_imports_no_framework():

@@ -118,7 +118,9 @@ class SynclessTrainerMixin:
             return super()._inner_training_loop(*args, **kwargs)
         self.syncless = Logger(every=self.syncless_every, sinks=self.syncless_sinks)
         self._sl_rows = _Rows()
-        self._sl_records = Logger(every=1, sinks=[self._sl_rows], sinks_on="all")
+        # One copy per logging step; 16 windows let the host run 16 logging steps ahead of the
+        # GPU (logging_steps=1 on a GPU-bound model) before it would wait.
+        self._sl_records = Logger(every=1, windows=16, sinks=[self._sl_rows], sinks_on="all")
         self._sl_pending: collections.deque = collections.deque()
         self._sl_step_loss: torch.Tensor | None = None
         self._sl_tokens: torch.Tensor | None = None

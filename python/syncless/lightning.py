@@ -73,10 +73,9 @@ _classes: dict[str, type] = {}
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("seq", "step", "epoch", "ended", "accumulating", "log_now", "keys", "has_row")
+    __slots__ = ("step", "epoch", "ended", "accumulating", "log_now", "keys", "has_row")
 
-    def __init__(self, seq: int, step: int, epoch: int):
-        self.seq = seq
+    def __init__(self, step: int, epoch: int):
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
         self.ended = False               # reached on_train_batch_end (not cut by an exception)
@@ -108,8 +107,8 @@ def _build(pkg_name: str) -> type:
         """Route on-step `self.log` values through a syncless Logger (see the module docstring).
 
         every: batches per device-to-host copy (how late the progress bar and loggers are).
-        sinks: extra syncless sinks that receive every batch's row ({name: float}) from the
-            delivery thread, with the row's step = the batch's sequence number in this fit.
+        sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
+            Lightning's step, from the delivery thread.
         """
 
         def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
@@ -127,7 +126,6 @@ def _build(pkg_name: str) -> type:
             self._pending: dict[str, Any] = {}
             self._open: _Batch | None = None
             self._batches: collections.deque = collections.deque()
-            self._seq = 0
             self._current: dict[str, float] = {}
             self._pbar_keys: set[str] = set()
 
@@ -195,8 +193,7 @@ def _build(pkg_name: str) -> type:
         # ---- batches ----------------------------------------------------------------------
 
         def _start_batch(self, trainer: Any) -> None:
-            self._open = _Batch(self._seq, _logger_step(trainer), trainer.current_epoch)
-            self._seq += 1
+            self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
 
         def _close_batch(self, trainer: Any) -> None:
             batch = self._open
@@ -215,7 +212,9 @@ def _build(pkg_name: str) -> type:
                                    if entry[2] and _valid(results.get(key)))
             if self._pending:
                 batch.has_row = True
-                self.syncless.log(self._pending, step=batch.seq)
+                # Rows are matched to batches by order; the step is Lightning's (equal steps
+                # under gradient accumulation are fine).
+                self.syncless.log(self._pending, step=batch.step)
                 self._pending = {}
             self._batches.append(batch)
 
@@ -289,7 +288,6 @@ def _build(pkg_name: str) -> type:
             self._rows.rows.clear()
             self._current.clear()
             self._pbar_keys.clear()
-            self._seq = 0
             self._install(pl_module)
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -335,9 +333,6 @@ def _build(pkg_name: str) -> type:
             self._uninstall()
             if self.syncless is not None:
                 self.syncless.close()
-
-        def state_dict(self) -> dict:
-            return {}
 
     SynclessLogging.__module__ = __name__
     SynclessLogging.__qualname__ = "SynclessLogging"
