@@ -202,6 +202,40 @@ def test_float_values_sinks_and_log_restored(tmp_path):
     assert set(rows[1][1]) == {"loss", "both_step", "lr", "n", "mx_step", "wnorm"}
 
 
+def test_pytorch_lightning_package(tmp_path):
+    """The same callback built on the standalone `pytorch_lightning` package."""
+    ptl = pytest.importorskip("pytorch_lightning")
+    from syncless.lightning import SynclessLoggingPL
+
+    class Small(ptl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, i):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("loss", loss, prog_bar=True)
+            self.log("lr", 0.1)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    out = {}
+    for kind in ("native", "syncless"):
+        ptl.seed_everything(0, verbose=False)
+        trainer = ptl.Trainer(max_epochs=1, log_every_n_steps=2, accelerator="cpu",
+                              logger=ptl.loggers.CSVLogger(tmp_path / kind),
+                              callbacks=[SynclessLoggingPL(every=3)] if kind == "syncless" else [],
+                              enable_checkpointing=False, enable_model_summary=False,
+                              enable_progress_bar=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Small(), _data()[0])
+        out[kind] = (_csv(trainer), trainer.progress_bar_metrics)
+    assert len(out["native"][0]) == 7 and out["syncless"] == out["native"]
+
+
 def test_import_syncless_imports_no_framework():
     code = ("import syncless, syncless.lightning, syncless.hf, sys; "
             "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate') "
