@@ -234,7 +234,8 @@ class SyncCounter(TrainerCallback):
             torch.cuda.set_sync_debug_mode("warn")
 
     def on_step_end(self, args, state, control, **kw):
-        if state.global_step == self.stop and self._ctx is not None:
+        # global_step already counts the step that just ended: step `stop` ends at stop + 1.
+        if state.global_step == self.stop + 1 and self._ctx is not None:
             torch.cuda.set_sync_debug_mode(0)
             self._ctx.__exit__(None, None, None)
             self._ctx = None
@@ -274,5 +275,6 @@ def test_cuda_zero_syncs_per_step(tmp_path, kw):
             warnings.simplefilter("ignore")
             trainer.train()
         counts[cls.__name__] = (counter.count, counter.sites)
-    assert counts["Trainer"][0] >= 40 * 2, counts    # native: the filter's two reads per step
+    # Native: the filter's two reads per step (measured on the H200: 78 in 39 steps).
+    assert counts["Trainer"][0] >= 40 * 2, counts
     assert counts["SynclessTrainer"][0] == 0, counts
