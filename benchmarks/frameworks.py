@@ -251,8 +251,8 @@ def run(device: str, quick: bool, rounds: int, results: dict, save) -> dict:
     frameworks = {
         "lightning": (LIGHTNING_MODELS, _lightning_fit, {"log_every_n_steps=1": dict(log_every=1)}),
         "hf": (HF_MODELS, _hf_train,
-               {"logging_steps=1 + tokens": dict(extra=dict(logging_steps=1,
-                                                             include_num_input_tokens_seen="all"))}),
+               {"logging_steps=1 + tokens": dict(extra=dict(
+                   logging_steps=1, include_num_input_tokens_seen="all"))}),
     }
     for fw, (models, fit, extra_configs) in frameworks.items():
         for model_name, cfg in models.items():

@@ -145,6 +145,23 @@ def test_nan_inf_filter_on_the_device(tmp_path, nan_filter):
     assert fast.args.logging_nan_inf_filter is nan_filter
 
 
+def test_without_the_per_step_logger(tmp_path):
+    kw = dict(include_num_input_tokens_seen="all", logging_steps=5)
+    native, n_seen = _train(tmp_path, Trainer, **kw)
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path / "s"), per_device_train_batch_size=4,
+                             num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0, learning_rate=1e-2, **kw)
+    fast = SynclessTrainer(model=Tiny(), args=args, train_dataset=Data(),
+                           syncless_every_step=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast.train()
+    assert fast.syncless is None
+    assert _history(fast) == _history(native)
+    assert fast.state.num_input_tokens_seen == native.state.num_input_tokens_seen == 16 * 4 * 6
+
+
 def test_every_step_to_the_syncless_logger(tmp_path):
     native, _ = _train(tmp_path, Trainer, logging_steps=1)
     rows = []

@@ -82,7 +82,8 @@ def _fit(tmp_path, syncless, *, callbacks=(), model_kw=None, **trainer_kw):
     pl.seed_everything(0, verbose=False)
     train, val = _data()
     kind = "syncless" if syncless else "native"
-    loggers = [CSVLogger(tmp_path / kind, name="csv"), TensorBoardLogger(tmp_path / kind, name="tb")]
+    loggers = [CSVLogger(tmp_path / kind, name="csv"),
+               TensorBoardLogger(tmp_path / kind, name="tb")]
     seen = PbarSeen()
     cbs = ([SynclessLogging(every=4)] if syncless else []) + list(callbacks) + [seen]
     kw = dict(max_epochs=3, logger=loggers, callbacks=cbs, log_every_n_steps=3,

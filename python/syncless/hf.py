@@ -29,7 +29,8 @@ What SynclessTrainer changes, keeping the Trainer's loop as it is:
   integration get the same keys, values and steps as with `Trainer`, a step or so late;
 - every optimizer step is also logged to `trainer.syncless`, a public syncless Logger (loss of
   the step, grad_norm, learning_rate, epoch, num_input_tokens_seen): give it sinks with
-  `syncless_sinks=[...]` (delivered every `syncless_every` steps).
+  `syncless_sinks=[...]` (delivered every `syncless_every` steps); `syncless_every_step=False`
+  leaves it out (its accumulate, zero and gather kernels per step).
 
 Still synced, on purpose: before an evaluation or a checkpoint save and at the end of training
 the trainer waits for the logged steps (one wait), so that `log_history` and `trainer_state.json`
@@ -92,16 +93,22 @@ class SynclessTrainerMixin:
 
     syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger).
     syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
+    syncless_every_step: False skips the per-step Logger (two kernels and a gather per step);
+        `trainer.syncless` is then None and the logging steps are all that is recorded.
     """
 
     def __init__(self, *args: Any, syncless_every: int = 50,
-                 syncless_sinks: Iterable[Any] | Any = (), **kwargs: Any):
+                 syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
+                 **kwargs: Any):
         if not isinstance(syncless_every, int) or syncless_every < 1:
             raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
         if hasattr(syncless_sinks, "write"):
             syncless_sinks = [syncless_sinks]
         self.syncless_every = syncless_every
         self.syncless_sinks = list(syncless_sinks)
+        if self.syncless_sinks and not syncless_every_step:
+            raise ValueError("syncless_sinks need syncless_every_step=True (they get its rows)")
+        self.syncless_every_step = syncless_every_step
         self.syncless: Logger | None = None
         self._sl_active = False
         super().__init__(*args, **kwargs)
@@ -116,7 +123,8 @@ class SynclessTrainerMixin:
                            and hasattr(self, "_track_num_input_tokens"))
         if not self._sl_active:
             return super()._inner_training_loop(*args, **kwargs)
-        self.syncless = Logger(every=self.syncless_every, sinks=self.syncless_sinks)
+        self.syncless = (Logger(every=self.syncless_every, sinks=self.syncless_sinks)
+                         if self.syncless_every_step else None)
         self._sl_rows = _Rows()
         # One copy per logging step; 16 windows let the host run 16 logging steps ahead of the
         # GPU (logging_steps=1 on a GPU-bound model) before it would wait.
@@ -141,7 +149,8 @@ class SynclessTrainerMixin:
             finally:
                 self._sl_active = False
                 self._sl_records.close()
-                self.syncless.close()
+                if self.syncless is not None:
+                    self.syncless.close()
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -154,9 +163,10 @@ class SynclessTrainerMixin:
             loss = torch.where(torch.isfinite(loss), loss, tr_loss / window)
             self.args.logging_nan_inf_filter = False     # the host check would sync; see below
             self._sl_filter_off = True
-        if self._sl_step_loss is None:
-            self._sl_step_loss = torch.zeros((), dtype=tr_loss.dtype, device=tr_loss.device)
-        self._sl_step_loss += loss
+        if self.syncless is not None:
+            if self._sl_step_loss is None:
+                self._sl_step_loss = torch.zeros((), dtype=tr_loss.dtype, device=tr_loss.device)
+            self._sl_step_loss += loss
         return loss
 
     def _sl_restore_filter(self) -> None:
@@ -213,7 +223,7 @@ class SynclessTrainerMixin:
         if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()        # a DTensor (FSDP2): its data pointer is no value
         lr = None
-        if step != self._sl_last_step:       # a new optimizer step (not the epoch-end call)
+        if step != self._sl_last_step and self.syncless is not None:   # a new optimizer step
             self._sl_last_step = step
             lr = learning_rate if learning_rate is not None else self._get_learning_rate()
             row: dict[str, Any] = {}
@@ -266,10 +276,16 @@ class SynclessTrainerMixin:
     def _sl_drain(self, wait: bool = False) -> None:
         if wait:
             self._sl_records.flush()
-            self.syncless.flush()
+            if self.syncless is not None:
+                self.syncless.flush()
         rows = self._sl_rows.rows
         while rows and self._sl_pending:
             self._sl_deliver(rows.popleft(), self._sl_pending.popleft())
+        if self.syncless is None:
+            if wait and self._sl_tokens is not None:      # the GPU is drained: a cheap read
+                self.state.num_input_tokens_seen = max(self.state.num_input_tokens_seen,
+                                                       int(self._sl_tokens.item()))
+            return
         tokens = self.syncless.latest.get("num_input_tokens_seen")
         if tokens is not None and int(tokens) > self.state.num_input_tokens_seen:
             self.state.num_input_tokens_seen = int(tokens)

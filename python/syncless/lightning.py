@@ -361,7 +361,8 @@ def _callback_class(pkg_name: str) -> type:
         try:
             cls = _classes[pkg_name] = _build(pkg_name)
         except ImportError as exc:
-            raise ImportError(f"syncless.lightning needs {pkg_name}: pip install lightning") from exc
+            raise ImportError(
+                f"syncless.lightning needs {pkg_name}: pip install lightning") from exc
     return cls
 
 
