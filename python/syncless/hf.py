@@ -111,6 +111,7 @@ class SynclessTrainerMixin:
         self.syncless_every_step = syncless_every_step
         self.syncless: Logger | None = None
         self._sl_active = False
+        self._sl_filter_off = False
         super().__init__(*args, **kwargs)
 
     # ---- the training run ----------------------------------------------------------------
