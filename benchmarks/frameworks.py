@@ -1,0 +1,404 @@
+"""Lightning and the Hugging Face Trainer, native against syncless: syncs per step, step time,
+and whether the logged values are the same.
+
+    python benchmarks/frameworks.py                  # CUDA; about 3 minutes on an H200
+    python benchmarks/frameworks.py --quick          # 2 rounds, fewer steps
+    python benchmarks/frameworks.py --device cpu     # the script's logic on CPU (no syncs exist)
+
+For each framework, two models: a small one (the host's per-step work dominates, where a sync
+costs most) and a GPU-bound one. Data lives on the GPU already (pre-built batches), so that the
+syncs counted are the logging's, not the batch copies'.
+
+- Lightning: `self.log("loss", loss, prog_bar=True)` and `self.log("acc", acc, prog_bar=True)`,
+  the default TQDM bar, CSVLogger, default `log_every_n_steps` (50); syncless adds
+  `callbacks=[SynclessLogging()]`.
+- Hugging Face: `Trainer` with default arguments (logging_steps=500, logging_nan_inf_filter on)
+  except the data's `dataloader_pin_memory=False` (GPU tensors cannot be pinned); syncless uses
+  `SynclessTrainer`.
+
+Syncs: one run per variant with torch.cuda.set_sync_debug_mode("warn") over a window of
+steady-state steps (after warm-up, before the end), counting the warnings and where they came
+from; `stats.waits` of the syncless Logger counts any wait of the training thread on delivery.
+The same runs give the logged values: Lightning's CSV file and the Trainer's log_history must be
+identical (wall-clock keys aside). An extra counted configuration logs every step
+(Lightning `log_every_n_steps=1`; HF `logging_steps=1` and `include_num_input_tokens_seen`).
+When they differ, a second native run tells whether the native run itself is reproducible.
+Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; each run
+times its window between two device synchronizes; the table gives the median ms/step and the
+median of the per-round ratios syncless/native with its 95% confidence interval.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, ROOT)
+
+from benchmarks._common import (env_info, interleave, md_table, median_ci, num,  # noqa: E402
+                                paired_ratios, pct, pct_ci, summarize, write_json)
+
+
+# ---- counting and timing windows -------------------------------------------------------------
+
+class Window:
+    """Between two step indices: either count sync-debug warnings or time with a synchronize at
+    both ends. Framework callbacks call begin(i) / end(i)."""
+
+    def __init__(self, start: int, stop: int, count: bool, cuda: bool):
+        self.start, self.stop, self.count, self.cuda = start, stop, count, cuda
+        self.syncs = 0
+        self.sites: dict[str, int] = {}
+        self.seconds = None
+        self._ctx = None
+
+    def begin(self, i: int) -> None:
+        if i != self.start:
+            return
+        if self.count and self.cuda:
+            self._ctx = warnings.catch_warnings(record=True)
+            self._rec = self._ctx.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._t0 = time.perf_counter()
+
+    def end(self, i: int) -> None:
+        if i != self.stop:
+            return
+        if self._ctx is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+            for w in self._rec:
+                if "synchroniz" in str(w.message):
+                    self.syncs += 1
+                    key = f"{_short(w.filename)}:{w.lineno}"
+                    self.sites[key] = self.sites.get(key, 0) + 1
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self._t0
+
+    @property
+    def steps(self) -> int:
+        return self.stop - self.start + 1
+
+
+def _short(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    for anchor in ("lightning", "transformers", "accelerate", "syncless", "torch"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor):])
+    return parts[-1]
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Progress bars and framework chatter go nowhere (they still run: users have them on)."""
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull), \
+            contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ---- Lightning -------------------------------------------------------------------------------
+
+LIGHTNING_MODELS = {
+    "small": dict(width=256, depth=3, batch=64, precision="32-true"),
+    "gpu-bound": dict(width=4096, depth=4, batch=8192, precision="bf16-mixed"),
+}
+
+
+def _lightning_fit(device: str, model_cfg: dict, syncless: bool, steps: int, window: Window,
+                   log_every: int = 50, *, tmp: str) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from syncless.lightning import SynclessLogging
+
+    class MLP(pl.LightningModule):
+        def __init__(self, width: int, depth: int):
+            super().__init__()
+            layers: list = []
+            for _ in range(depth):
+                layers += [nn.Linear(width, width), nn.ReLU()]
+            self.net = nn.Sequential(*layers, nn.Linear(width, 10))
+
+        def training_step(self, batch, i):
+            x, y = batch
+            logits = self.net(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            acc = (logits.argmax(-1) == y).float().mean()
+            self.log("loss", loss, prog_bar=True)
+            self.log("acc", acc, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    class Hooks(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            window.begin(batch_idx)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            window.end(batch_idx)
+
+    pl.seed_everything(0, verbose=False)
+    w, b = model_cfg["width"], model_cfg["batch"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, b, w, generator=g).to(device)
+    y = torch.randint(0, 10, (8, b), generator=g).to(device)
+    batches = [(x[i % 8], y[i % 8]) for i in range(steps)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    cbs = ([SynclessLogging()] if syncless else []) + [Hooks()]
+    logger = CSVLogger(tmp, name="csv")
+    with torch.device(device):               # initialised on the device: fast, and seeded there
+        model = MLP(w, model_cfg["depth"])
+    trainer = pl.Trainer(max_steps=steps, callbacks=cbs, logger=logger,
+                         log_every_n_steps=log_every, enable_checkpointing=False,
+                         enable_model_summary=False, accelerator="gpu" if device == "cuda"
+                         else "cpu", devices=1, precision=model_cfg["precision"])
+    with _quiet():
+        trainer.fit(model, loader)
+    out = {"waits": 0}
+    if syncless:
+        out["waits"] = cbs[0].syncless.stats.waits
+    path = os.path.join(trainer.logger.log_dir, "metrics.csv")
+    out["values"] = []                       # no file when no step was a logging step
+    if os.path.exists(path):
+        with open(path) as f:
+            out["values"] = list(csv.reader(f))
+    return out
+
+
+# ---- Hugging Face ----------------------------------------------------------------------------
+
+HF_MODELS = {
+    "small": dict(n_layer=2, n_embd=128, n_head=4, vocab=1000, seq=64, batch=8, bf16=False),
+    "gpu-bound": dict(n_layer=8, n_embd=1024, n_head=16, vocab=8192, seq=512, batch=16,
+                      bf16=True),
+}
+
+
+def _hf_train(device: str, model_cfg: dict, syncless: bool, steps: int, window: Window,
+              extra: dict | None = None, *, tmp: str) -> dict:
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
+    from syncless.hf import SynclessTrainer
+
+    transformers.logging.set_verbosity_error()
+
+    class Hooks(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            window.begin(state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):
+            window.end(state.global_step - 1)
+
+    cfg = model_cfg
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab"], (64, cfg["seq"]), generator=g).to(device)
+    examples = [{"input_ids": ids[i % 64], "labels": ids[i % 64]}
+                for i in range(cfg["batch"] * steps)]           # one epoch: no epoch end inside
+    with torch.device(device):               # initialised on the device: fast, and seeded there
+        model = GPT2LMHeadModel(GPT2Config(n_layer=cfg["n_layer"], n_embd=cfg["n_embd"],
+                                           n_head=cfg["n_head"], vocab_size=cfg["vocab"],
+                                           n_positions=cfg["seq"]))
+    args = transformers.TrainingArguments(
+        output_dir=tmp, max_steps=steps, report_to=[],
+        per_device_train_batch_size=cfg["batch"], save_strategy="no", seed=0,
+        dataloader_pin_memory=False, bf16=cfg["bf16"], use_cpu=device == "cpu",
+        **(extra or {}))
+    cls = SynclessTrainer if syncless else Trainer
+    trainer = cls(model=model, args=args, train_dataset=examples, callbacks=[Hooks()])
+    with _quiet():
+        trainer.train()
+    out = {"waits": trainer.syncless.stats.waits if syncless else 0}
+    out["values"] = [{k: v for k, v in d.items() if not k.endswith(("_runtime", "_per_second"))}
+                     for d in trainer.state.log_history]
+    return out
+
+
+# ---- the suite -------------------------------------------------------------------------------
+
+def _steps(quick: bool, model: str) -> tuple[int, int, int]:
+    """(total steps, window start, window stop) of one run."""
+    if model == "small":
+        return (40, 10, 34) if quick else (200, 30, 179)
+    return (24, 6, 19) if quick else (60, 10, 49)
+
+
+def run(device: str, quick: bool, rounds: int, results: dict, save) -> dict:
+    """Fills results["sections"], calling save() after each one (a cut run keeps what it has)."""
+    cuda = device == "cuda"
+    results["sections"] = []
+    rng = random.Random(0)
+    frameworks = {
+        "lightning": (LIGHTNING_MODELS, _lightning_fit, {"log_every_n_steps=1": dict(log_every=1)}),
+        "hf": (HF_MODELS, _hf_train,
+               {"logging_steps=1 + tokens": dict(extra=dict(
+                   logging_steps=1, include_num_input_tokens_seen="all"))}),
+    }
+    for fw, (models, fit, extra_configs) in frameworks.items():
+        for model_name, cfg in models.items():
+            if device == "cpu" and model_name != "small":
+                continue                      # the CPU run checks the logic, not GPU-bound steps
+            total, start, stop = _steps(quick, model_name)
+            section = {"framework": fw, "model": model_name, "config": cfg, "steps": total,
+                       "window": [start, stop], "counts": {}}
+            print(f"{fw} / {model_name}: counting syncs and comparing values", flush=True)
+            configs = {"default": {}}
+            if model_name == "small":
+                configs.update(extra_configs)
+            for cname, ckw in configs.items():
+                values = {}
+                for variant in ("native", "syncless"):
+                    win = Window(start, stop, count=True, cuda=cuda)
+                    with tempfile.TemporaryDirectory() as tmp:
+                        out = fit(device, cfg, variant == "syncless", total, win, tmp=tmp, **ckw)
+                    values[variant] = out["values"]
+                    top = sorted(win.sites.items(), key=lambda kv: -kv[1])[:4]
+                    section["counts"].setdefault(cname, {})[variant] = {
+                        "syncs_per_step": win.syncs / win.steps if cuda else None,
+                        "sites": {k: v / win.steps for k, v in top}, "waits": out["waits"]}
+                    print(f"  {cname:28s} {variant:9s} syncs/step "
+                          f"{num(win.syncs / win.steps) if cuda else 'n/a (cpu)'}  "
+                          f"{', '.join(f'{k} {v / win.steps:.2f}' for k, v in top)}", flush=True)
+                same = values["native"] == values["syncless"]
+                if not same:
+                    # Is the native run itself reproducible? (GPU kernels with atomics, e.g.
+                    # flash attention's backward, are not bitwise deterministic.)
+                    win = Window(start, stop, count=False, cuda=cuda)
+                    with tempfile.TemporaryDirectory() as tmp:
+                        again = fit(device, cfg, False, total, win, tmp=tmp, **ckw)["values"]
+                    section["counts"][cname]["native_reproducible"] = again == values["native"]
+                n_values = sum(len(r) for r in values["native"]) if values["native"] else 0
+                section["counts"][cname]["identical"] = same
+                section["counts"][cname]["values_compared"] = n_values
+                print(f"  {cname:28s} logged values identical: {_same(section['counts'][cname])} "
+                      f"({n_values} cells)", flush=True)
+
+            def timed(variant: str):
+                def go() -> float:
+                    win = Window(start, stop, count=False, cuda=cuda)
+                    with tempfile.TemporaryDirectory() as tmp:
+                        fit(device, cfg, variant == "syncless", total, win, tmp=tmp)
+                    return win.seconds / win.steps * 1e3
+                return go
+            times = interleave({"native": timed("native"), "syncless": timed("syncless")},
+                               rounds, rng)
+            ratios = paired_ratios(times, "syncless", "native")
+            section["ms_per_step"] = {k: summarize(v) for k, v in times.items()}
+            section["raw_ms"] = times
+            section["ratio"] = summarize(ratios)
+            section["ratio_ci"] = median_ci(ratios)
+            print(f"  step time native {num(section['ms_per_step']['native']['median'])} ms, "
+                  f"syncless {num(section['ms_per_step']['syncless']['median'])} ms, "
+                  f"syncless/native {pct(section['ratio']['median'])} "
+                  f"CI {pct_ci(section['ratio_ci'])} ({len(ratios)} rounds)", flush=True)
+            results["sections"].append(section)
+            save()
+    return results
+
+
+def _same(c: dict) -> str:
+    if c["identical"]:
+        return "yes"
+    if c.get("native_reproducible") is False:
+        return "no: two native runs differ too"
+    return "NO"
+
+
+def markdown(results: dict, env: dict) -> str:
+    lines = [f"# Lightning and Hugging Face Trainer: native vs syncless ({env.get('gpu')})", "",
+             f"torch {env.get('torch')}, lightning {env.get('lightning')}, transformers "
+             f"{env.get('transformers')}; {env.get('rounds')} interleaved rounds; command: "
+             f"`{env.get('command')}`", ""]
+    rows = []
+    for s in results["sections"]:
+        c = s["counts"]["default"]
+        ms = s["ms_per_step"]
+        rows.append([s["framework"], s["model"], num(c["native"]["syncs_per_step"]),
+                     num(c["syncless"]["syncs_per_step"]), num(ms["native"]["median"]),
+                     num(ms["syncless"]["median"]), pct(s["ratio"]["median"]),
+                     pct_ci(s["ratio_ci"]), _same(c)])
+    lines.append(md_table(["framework", "model", "syncs/step native", "syncs/step syncless",
+                           "ms/step native", "ms/step syncless", "syncless vs native",
+                           "95% CI", "values identical"], rows))
+    lines += ["", "Every-step logging (small model, counted window):", ""]
+    rows = []
+    for s in results["sections"]:
+        for cname, c in s["counts"].items():
+            if cname == "default":
+                continue
+            rows.append([s["framework"], cname, num(c["native"]["syncs_per_step"]),
+                         num(c["syncless"]["syncs_per_step"]), c["syncless"]["waits"],
+                         _same(c)])
+    lines.append(md_table(["framework", "config", "syncs/step native", "syncs/step syncless",
+                           "syncless waits", "values identical"], rows))
+    lines += ["", "Where the native syncs are (per step, counted window):", ""]
+    for s in results["sections"]:
+        for cname, c in s["counts"].items():
+            sites = ", ".join(f"`{k}` {v:.2f}" for k, v in c["native"]["sites"].items())
+            lines.append(f"- {s['framework']} {s['model']} {cname}: {sites or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rounds = args.rounds or (2 if args.quick else 7)     # 7: the fewest with a 95% CI
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.time()
+    import lightning
+    import transformers
+    env = env_info(torch.device(device), sys.argv[1:])
+    env["command"] = "python benchmarks/frameworks.py " + " ".join(sys.argv[1:])
+    env.update(lightning=lightning.__version__, transformers=transformers.__version__,
+               rounds=rounds, quick=args.quick)
+    results: dict = {"env": env}
+    os.makedirs(args.out, exist_ok=True)
+    name = "frameworks" if device == "cuda" and not args.quick else f"frameworks-{device}" \
+        + ("-quick" if args.quick else "")
+
+    def save() -> str:
+        env["seconds"] = round(time.time() - t0, 1)
+        write_json(os.path.join(args.out, name + ".json"), results)
+        text = markdown(results, env)
+        with open(os.path.join(args.out, name + ".md"), "w") as f:
+            f.write(text)
+        return text
+
+    run(device, args.quick, rounds, results, save)
+    text = save()
+    print()
+    print(text)
+    print(f"wrote {os.path.join(args.out, name)}.{{json,md}} in {env['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The Hugging Face Trainer without a host-device sync per step: one line.
+
+    from syncless.hf import SynclessTrainer
+    trainer = SynclessTrainer(model=model, args=args, train_dataset=ds)     # was: Trainer(...)
+
+    class MyTrainer(SynclessTrainerMixin, SFTTrainer): ...                  # any Trainer subclass
+
+Where the Trainer syncs (transformers 5.17 to 5.24, `Trainer._run_epoch`): the NaN/Inf filter
+(`logging_nan_inf_filter`, on by default) runs `torch.isnan(loss) or torch.isinf(loss)` on the host
+after every micro-batch, two syncs; `include_num_input_tokens_seen` gathers the batch's token count
+and `.item()`s it after every micro-batch; at each logging step `_maybe_log_save_evaluate`
+`.item()`s the loss and the grad norm. `on_log` callbacks and `report_to` integrations only ever
+receive floats.
+
+What SynclessTrainer changes, keeping the Trainer's loop as it is:
+- the filter runs on the device with the Trainer's own formula: a non-finite micro-batch adds
+  `tr_loss / (1 + global_step - globalstep_last_logged)` (the running mean of the window) instead
+  of its loss; the Trainer's host check is skipped for exactly that micro-batch
+  (`args.logging_nan_inf_filter` reads False only between `training_step` returning and
+  `floating_point_ops`, and is the user's value everywhere else: callbacks, saved arguments);
+- tokens are counted into a device counter (the same counts: all tokens, the attention mask's
+  sum, or the non-pad tokens; gathered across processes by the same all-gather);
+- at a logging step the window's loss mean and the grad norm stay on the device and go into a
+  syncless Logger; when the row arrives (normally at the next step) the Trainer's own `log()` is
+  called with the values the Trainer would have computed (loss = window sum / steps, grad_norm,
+  learning_rate, then `log()` adds epoch, num_input_tokens_seen and the speed metrics), with
+  `state.global_step`, `state.epoch` and `state.num_input_tokens_seen` set back to the logging
+  step's for that call: `state.log_history`, every `on_log` callback and every `report_to`
+  integration get the same keys, values and steps as with `Trainer`, a step or so late;
+- every optimizer step is also logged to `trainer.syncless`, a public syncless Logger (loss of
+  the step, grad_norm, learning_rate, epoch, num_input_tokens_seen): give it sinks with
+  `syncless_sinks=[...]` (delivered every `syncless_every` steps); `syncless_every_step=False`
+  leaves it out (its accumulate, zero and gather kernels per step).
+
+Still synced, on purpose: before an evaluation or a checkpoint save and at the end of training
+the trainer waits for the logged steps (one wait), so that `log_history` and `trainer_state.json`
+hold every logging step in order; `_finalize_training` reads the remaining loss once
+(`.item()`, as the Trainer does); in multi-process runs `store_flos` still broadcasts and
+`.item()`s the FLOP count at each logging step. Untouched: the batch's host-to-device copies
+(`accelerator_config={"non_blocking": True}` with the default pinned memory makes those
+asynchronous too), a learning rate kept as a tensor (`_get_learning_rate` reads it every step),
+DeepSpeed's grad norm (a float already), evaluation, and XLA (the class does nothing there).
+
+Delivered late: `on_log`/`report_to`/`log_history` by one logging row (the trainer takes rows as
+the GPU finishes them, at the next optimizer steps); `state.num_input_tokens_seen` by up to
+`syncless_every` steps between logging steps (exact at every log, save, evaluation and the
+end). A callback that stops training from `on_log` therefore acts a step or so later.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from .logger import Logger
+
+__all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
+
+_log = logging.getLogger("syncless")
+_classes: dict[str, type] = {}
+
+
+class _Rows:
+    """The records Logger's sink: runs on the delivery thread and only appends (atomic)."""
+
+    def __init__(self) -> None:
+        self.rows: collections.deque = collections.deque()
+
+    def write(self, rows: list) -> None:
+        self.rows.extend(rows)
+
+
+class _Record:
+    """Host facts of one logging step, kept until its device values arrive."""
+    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "time", "start_time")
+
+    def __init__(self, step: int, steps: int, grad_norm: Any, lr: float, epoch: Any,
+                 start_time: Any):
+        self.step = step
+        self.steps = steps                  # optimizer steps in the window
+        self.grad_norm = grad_norm          # a host value (DeepSpeed) or None
+        self.lr = lr
+        self.epoch = epoch
+        self.time = time.time()
+        self.start_time = start_time
+
+
+class SynclessTrainerMixin:
+    """Mix into any `transformers.Trainer` subclass, first: `class T(SynclessTrainerMixin, X)`.
+
+    syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger).
+    syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
+    syncless_every_step: False skips the per-step Logger (two kernels and a gather per step);
+        `trainer.syncless` is then None and the logging steps are all that is recorded.
+    """
+
+    def __init__(self, *args: Any, syncless_every: int = 50,
+                 syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
+                 **kwargs: Any):
+        if not isinstance(syncless_every, int) or syncless_every < 1:
+            raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
+        if hasattr(syncless_sinks, "write"):
+            syncless_sinks = [syncless_sinks]
+        self.syncless_every = syncless_every
+        self.syncless_sinks = list(syncless_sinks)
+        if self.syncless_sinks and not syncless_every_step:
+            raise ValueError("syncless_sinks need syncless_every_step=True (they get its rows)")
+        self.syncless_every_step = syncless_every_step
+        self.syncless: Logger | None = None
+        self._sl_active = False
+        self._sl_filter_off = False
+        super().__init__(*args, **kwargs)
+
+    # ---- the training run ----------------------------------------------------------------
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.utils import is_torch_xla_available
+        # The loop this mixin works with (transformers >= 5.17): the loss accumulates in
+        # self._tr_loss, tokens are counted in _track_num_input_tokens. Otherwise: plain Trainer.
+        self._sl_active = (not is_torch_xla_available() and hasattr(self, "_run_epoch")
+                           and hasattr(self, "_track_num_input_tokens"))
+        if not self._sl_active:
+            return super()._inner_training_loop(*args, **kwargs)
+        self.syncless = (Logger(every=self.syncless_every, sinks=self.syncless_sinks)
+                         if self.syncless_every_step else None)
+        self._sl_rows = _Rows()
+        # One copy per logging step; 16 windows let the host run 16 logging steps ahead of the
+        # GPU (logging_steps=1 on a GPU-bound model) before it would wait.
+        self._sl_records = Logger(every=1, windows=16, sinks=[self._sl_rows], sinks_on="all")
+        self._sl_pending: collections.deque = collections.deque()
+        self._sl_step_loss: torch.Tensor | None = None
+        self._sl_tokens: torch.Tensor | None = None
+        self._sl_filter_off = False
+        self._sl_last_step = -1
+        ok = False
+        try:
+            out = super()._inner_training_loop(*args, **kwargs)
+            ok = True
+            return out
+        finally:
+            self._sl_restore_filter()
+            try:
+                if not ok:                   # still hand over every logged step
+                    self._sl_drain(wait=True)
+            except Exception as exc:
+                _log.error("syncless: delivering the last logs after an error failed: %s", exc)
+            finally:
+                self._sl_active = False
+                self._sl_records.close()
+                if self.syncless is not None:
+                    self.syncless.close()
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        tr_loss = getattr(self, "_tr_loss", None)
+        if not self._sl_active or not isinstance(loss, torch.Tensor) or tr_loss is None:
+            return loss
+        if self.args.logging_nan_inf_filter and loss.device == tr_loss.device:
+            # The Trainer's filter, on the device: a non-finite loss adds the window's mean.
+            window = 1 + self.state.global_step - self._globalstep_last_logged
+            loss = torch.where(torch.isfinite(loss), loss, tr_loss / window)
+            self.args.logging_nan_inf_filter = False     # the host check would sync; see below
+            self._sl_filter_off = True
+        if self.syncless is not None:
+            if self._sl_step_loss is None:
+                self._sl_step_loss = torch.zeros((), dtype=tr_loss.dtype, device=tr_loss.device)
+            self._sl_step_loss += loss
+        return loss
+
+    def _sl_restore_filter(self) -> None:
+        # Called first thing in every Trainer method that runs after the filter's check.
+        if self._sl_filter_off:
+            self._sl_filter_off = False
+            self.args.logging_nan_inf_filter = True
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        self._sl_restore_filter()
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        self._sl_restore_filter()
+        mode = self.args.include_num_input_tokens_seen
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if not self._sl_active or mode == "no" or main not in inputs:
+            return super()._track_num_input_tokens(inputs)
+        if mode == "non_padding":
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            if "attention_mask" in inputs:
+                count = inputs["attention_mask"].sum()
+            elif pad is not None:
+                count = (inputs[main] != pad).sum()
+            else:                            # the Trainer's warning, then all tokens (a sync)
+                return super()._track_num_input_tokens(inputs)
+        else:
+            count = inputs[main].numel()
+        device = self.args.device
+        if self._sl_tokens is None:
+            self._sl_tokens = torch.full((), self.state.num_input_tokens_seen, dtype=torch.int64,
+                                         device=device)
+        if isinstance(count, torch.Tensor) and count.device == self._sl_tokens.device:
+            count = count.to(torch.int64)
+        else:
+            count = int(count)               # a host number (numel, or a CPU tensor's sum)
+        if self.accelerator.num_processes > 1:
+            if not isinstance(count, torch.Tensor):
+                count = torch.full((), count, dtype=torch.int64, device=device)   # no H2D copy
+            count = self.accelerator.gather(count).sum()
+        self._sl_tokens += count
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, model: Any, trial: Any,
+                                 epoch: Any, ignore_keys_for_eval: Any, start_time: Any,
+                                 learning_rate: float | None = None, **kwargs: Any) -> None:
+        self._sl_restore_filter()
+        if not self._sl_active:
+            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                                    ignore_keys_for_eval, start_time,
+                                                    learning_rate=learning_rate, **kwargs)
+        state, control = self.state, self.control
+        step = state.global_step
+        norm = grad_norm
+        if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()        # a DTensor (FSDP2): its data pointer is no value
+        lr = None
+        if step != self._sl_last_step and self.syncless is not None:   # a new optimizer step
+            self._sl_last_step = step
+            lr = learning_rate if learning_rate is not None else self._get_learning_rate()
+            row: dict[str, Any] = {}
+            if self._sl_step_loss is not None:
+                row["loss"] = self._sl_step_loss
+            if norm is not None:
+                row["grad_norm"] = norm
+            row["learning_rate"] = lr
+            if state.epoch is not None:
+                row["epoch"] = state.epoch
+            if self._sl_tokens is not None:
+                row["num_input_tokens_seen"] = self._sl_tokens
+            self.syncless.log(row, step=step)
+            if self._sl_step_loss is not None:
+                self._sl_step_loss.zero_()   # after the gather, in stream order
+        if control.should_log and step > self._globalstep_last_logged:
+            from transformers.trainer_pt_utils import nested_gather
+            values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
+            host_norm = None
+            if isinstance(norm, torch.Tensor):
+                values["grad_norm"] = norm
+            elif norm is not None:
+                host_norm = norm
+            if self._sl_tokens is not None:
+                values["tokens"] = self._sl_tokens
+            if lr is None:
+                lr = learning_rate if learning_rate is not None else self._get_learning_rate()
+            self._sl_records.log(values, step=step)
+            tr_loss -= tr_loss
+            self._sl_pending.append(_Record(step, step - self._globalstep_last_logged, host_norm,
+                                            lr, state.epoch, start_time))
+            self._globalstep_last_logged = step
+            self.store_flos()
+            control.should_log = False       # what the Trainer's on_log would have done
+        self._sl_drain()
+        if (control.should_evaluate or control.should_save) and self._sl_pending:
+            self._sl_drain(wait=True)        # evaluation and checkpoints see every log first
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                                ignore_keys_for_eval, start_time,
+                                                learning_rate=learning_rate, **kwargs)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self._sl_restore_filter()
+        if self._sl_active:
+            self._sl_drain(wait=True)
+        return super()._finalize_training(*args, **kwargs)
+
+    # ---- delivery, on the training thread -------------------------------------------------
+
+    def _sl_drain(self, wait: bool = False) -> None:
+        if wait:
+            self._sl_records.flush()
+            if self.syncless is not None:
+                self.syncless.flush()
+        rows = self._sl_rows.rows
+        while rows and self._sl_pending:
+            self._sl_deliver(rows.popleft(), self._sl_pending.popleft())
+        if self.syncless is None:
+            if wait and self._sl_tokens is not None:      # the GPU is drained: a cheap read
+                self.state.num_input_tokens_seen = max(self.state.num_input_tokens_seen,
+                                                       int(self._sl_tokens.item()))
+            return
+        tokens = self.syncless.latest.get("num_input_tokens_seen")
+        if tokens is not None and int(tokens) > self.state.num_input_tokens_seen:
+            self.state.num_input_tokens_seen = int(tokens)
+
+    def _sl_deliver(self, row: Any, rec: _Record) -> None:
+        values = row.values
+        loss = values["loss"]
+        logs: dict[str, float] = {"loss": loss / rec.steps}
+        if "grad_norm" in values:
+            logs["grad_norm"] = values["grad_norm"]
+        elif rec.grad_norm is not None:
+            logs["grad_norm"] = rec.grad_norm
+        logs["learning_rate"] = rec.lr
+        self._total_loss_scalar += loss
+        state = self.state
+        now = (state.global_step, state.epoch, state.num_input_tokens_seen)
+        tokens = int(values["tokens"]) if "tokens" in values else None
+        state.global_step, state.epoch = rec.step, rec.epoch
+        if tokens is not None:
+            state.num_input_tokens_seen = tokens
+        start = rec.start_time
+        if start is not None:                # speed metrics as of the logging step
+            start += time.time() - rec.time
+        try:
+            self.log(logs, start)
+        finally:
+            state.global_step, state.epoch = now[0], now[1]
+            state.num_input_tokens_seen = max(now[2], tokens or 0)
+
+
+def _trainer_class() -> type:
+    cls = _classes.get("SynclessTrainer")
+    if cls is None:
+        try:
+            from transformers import Trainer
+        except ImportError as exc:
+            raise ImportError("syncless.hf needs transformers: pip install transformers") from exc
+        cls = type("SynclessTrainer", (SynclessTrainerMixin, Trainer), {
+            "__module__": __name__,
+            "__doc__": "transformers.Trainer with the sync-free logging of SynclessTrainerMixin."})
+        _classes["SynclessTrainer"] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use so that importing this module imports no transformers.
+    if name == "SynclessTrainer":
+        return _trainer_class()
+    raise AttributeError(f"module 'syncless.hf' has no attribute {name!r}")

@@ -1,0 +1,379 @@
+"""Lightning without a host-device sync per step: one callback.
+
+    import lightning.pytorch as pl
+    from syncless.lightning import SynclessLogging
+
+    trainer = pl.Trainer(callbacks=[SynclessLogging()])      # the only change
+    # in the LightningModule, as before:  self.log("loss", loss, prog_bar=True)
+
+Where Lightning syncs (lightning 2.6 source): `_ResultCollection.metrics()` turns every
+`prog_bar=True` step value into a float with `.item()` on every batch, and again each time the
+progress bar asks for `trainer.progress_bar_metrics`; `_LoggerConnector.log_metrics` converts every
+step value before any Lightning `Logger` sees it (every `log_every_n_steps`); a Python float given
+to `self.log` becomes `torch.tensor(v, device=...)`, a pageable host-to-device copy.
+
+What the callback changes. During training (`training_step`, `on_train_batch_start/end`, the
+backward and optimizer hooks) it replaces the module's `log` with one that
+
+- still calls Lightning's own `log`, with `prog_bar=False, logger=False`: Lightning keeps the
+  tensor, its `on_epoch` reduction, `sync_dist`, `trainer.callback_metrics` and so every
+  ModelCheckpoint/EarlyStopping `monitor` key exactly as before, and never reads the step value;
+- hands the value Lightning stored for the step (after its float32 cast and `sync_dist`) to a
+  syncless Logger: one gather kernel per batch, whatever the number of metrics, no sync;
+- turns a Python number into a device tensor with `torch.full` (the value travels as a kernel
+  argument: no host-to-device copy).
+
+Delivered rows are drained on the training thread in the callback's hooks (never from the
+delivery thread), so every configured Lightning logger (TensorBoardLogger, CSVLogger,
+WandbLogger, ...) receives exactly the calls it would have: `log_metrics({name_step: value, ...,
+"epoch": epoch}, step)` then `save()`, with Lightning's key names (`name`, or `name_step` when
+`on_epoch=True` too), at Lightning's step (`trainer.global_step` of that batch, i.e. the number
+of optimizer steps before it), on the same batches (`log_every_n_steps`, the last batch of an
+accumulation, `should_stop`; keys logged earlier in the epoch are repeated, as Lightning does).
+Set `Trainer(log_every_n_steps=1)` to give the loggers every step: it costs no sync any more.
+The progress bar (`trainer.progress_bar_metrics`) shows delivered step values.
+
+Delivered late: step values reach the loggers, the progress bar and `trainer.logged_metrics`
+when their window is copied back (every `every` batches, default 16, a few steps behind).
+
+Still synced, on purpose:
+- before each validation run and at each training epoch end, the callback waits for the logged
+  steps (one wait), so that the loggers see every step before Lightning logs epoch or validation
+  values (WandbLogger and CSVLogger keep their step order); also at the end of fit and on an
+  exception, so that nothing logged is lost;
+- epoch values (`on_epoch=True`): Lightning reduces them on the device and reads each once per
+  epoch to log it, as before; monitor comparisons (ModelCheckpoint, EarlyStopping) read their key
+  when they run, as before;
+- what the callback does not touch: validation/test/predict logging, `self.log` from epoch-level
+  hooks, Lightning's per-step sigterm broadcast `.item()` in multi-process runs, and any sync in
+  the user's own code.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import numbers
+from typing import Any, Iterable
+
+import torch
+
+from .logger import Logger
+
+__all__ = ["SynclessLogging", "SynclessLoggingPL"]
+
+# Hooks of the fit loop's training batches: the only ones whose `self.log` can be on_step.
+_STEP_HOOKS = frozenset({
+    "training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward",
+    "backward", "on_after_backward", "on_before_optimizer_step", "optimizer_step",
+    "configure_gradient_clipping", "clip_gradients", "on_before_zero_grad", "optimizer_zero_grad",
+})
+
+_classes: dict[str, type] = {}
+
+
+class _Batch:
+    """Host facts about one training batch, kept until its row is delivered."""
+    __slots__ = ("step", "epoch", "ended", "accumulating", "log_now", "keys", "has_row")
+
+    def __init__(self, step: int, epoch: int):
+        self.step = step                 # the step Lightning's log_metrics would use
+        self.epoch = epoch
+        self.ended = False               # reached on_train_batch_end (not cut by an exception)
+        self.accumulating = False
+        self.log_now = False
+        self.keys: tuple = ()
+        self.has_row = False
+
+
+class _Rows:
+    """The Logger's sink: runs on the delivery thread, only appends (deque.append is atomic)."""
+
+    def __init__(self) -> None:
+        self.rows: collections.deque = collections.deque()
+
+    def write(self, rows: list) -> None:
+        self.rows.extend(rows)
+
+
+def _build(pkg_name: str) -> type:
+    pl = importlib.import_module(pkg_name)
+    fx_validator = importlib.import_module(
+        f"{pkg_name}.trainer.connectors.logger_connector.fx_validator")
+    result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
+    FxValidator = fx_validator._FxValidator
+    default_dtype = result._get_default_dtype
+
+    class SynclessLogging(pl.Callback):
+        """Route on-step `self.log` values through a syncless Logger (see the module docstring).
+
+        every: batches per device-to-host copy (how late the progress bar and loggers are).
+        sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
+            Lightning's step, from the delivery thread.
+        """
+
+        def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
+            if not isinstance(every, int) or every < 1:
+                raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
+            if hasattr(sinks, "write"):
+                sinks = [sinks]
+            self.every = every
+            self._user_sinks = list(sinks)
+            self.syncless: Logger | None = None
+            self._rows = _Rows()
+            self._module: Any = None
+            self._orig_log: Any = None
+            self._keys: dict[str, tuple] = {}     # result key -> (forked name, prog_bar, logger)
+            self._pending: dict[str, Any] = {}
+            self._open: _Batch | None = None
+            self._batches: collections.deque = collections.deque()
+            self._current: dict[str, float] = {}
+            self._pbar_keys: set[str] = set()
+
+        # ---- the log replacement ------------------------------------------------------------
+
+        def _install(self, pl_module: Any) -> None:
+            orig = type(pl_module).log.__get__(pl_module)
+            cb = self
+
+            @torch.compiler.disable
+            def log(name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+                    on_step: bool | None = None, on_epoch: bool | None = None,
+                    reduce_fx: Any = "mean", enable_graph: bool = False, sync_dist: bool = False,
+                    sync_dist_group: Any = None, add_dataloader_idx: bool = True,
+                    batch_size: int | None = None, metric_attribute: str | None = None,
+                    rank_zero_only: bool = False) -> None:
+                kw = dict(reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
+                          sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
+                          batch_size=batch_size, metric_attribute=metric_attribute,
+                          rank_zero_only=rank_zero_only)
+                fx = pl_module._current_fx_name
+                trainer = pl_module._trainer
+                if (fx not in _STEP_HOOKS or trainer is None or not trainer.training
+                        or trainer.barebones or cb.syncless is None):
+                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
+                                on_epoch=on_epoch, **kw)
+                on_step, on_epoch = FxValidator.check_logging_and_get_default_levels(
+                    fx, on_step=on_step, on_epoch=on_epoch)
+                if not on_step:          # epoch-only: Lightning reads it once per epoch
+                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=False,
+                                on_epoch=on_epoch, **kw)
+                if isinstance(value, numbers.Number):
+                    # A kernel argument instead of torch.tensor(v, device=...)'s pageable copy.
+                    value = torch.full((), float(value), dtype=default_dtype(),
+                                       device=pl_module.device)
+                orig(name, value, prog_bar=False, logger=False, on_step=True, on_epoch=on_epoch,
+                     **kw)
+                cb._record(trainer, fx, name, prog_bar, True if logger is None else logger)
+
+            self._module = pl_module
+            self._orig_log = orig
+            pl_module.__dict__["log"] = log
+
+        def _uninstall(self) -> None:
+            if self._module is not None:
+                self._module.__dict__.pop("log", None)
+                self._module = None
+
+        def _record(self, trainer: Any, fx: str, name: str, prog_bar: bool, logger: bool) -> None:
+            key = f"{fx}.{name}"
+            metric = _train_results(trainer).get(key)
+            if metric is None:                       # Lightning chose not to log it
+                return
+            entry = self._keys.get(key)
+            if entry is None:
+                entry = self._keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
+                if prog_bar:
+                    self._pbar_keys.add(entry[0])
+            value = metric._forward_cache            # after the float cast and sync_dist
+            if isinstance(value, torch.Tensor):
+                self._pending[entry[0]] = value
+            if self._open is None:                   # logged before the first batch hook
+                self._start_batch(trainer)
+
+        # ---- batches ----------------------------------------------------------------------
+
+        def _start_batch(self, trainer: Any) -> None:
+            self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
+
+        def _close_batch(self, trainer: Any) -> None:
+            batch = self._open
+            if batch is None:
+                return
+            self._open = None
+            n = trainer.log_every_n_steps
+            should = n != 0 and ((batch.step + 1) % n == 0 or trainer.should_stop)
+            batch.log_now = (batch.ended and not batch.accumulating and bool(trainer.loggers)
+                             and (should or bool(trainer.fast_dev_run)))
+            if batch.log_now:
+                # The keys Lightning's log_metrics would send now: every on-step logger key
+                # still valid in this epoch (host bookkeeping only, no tensor is read).
+                results = _train_results(trainer)
+                batch.keys = tuple(entry[0] for key, entry in self._keys.items()
+                                   if entry[2] and _valid(results.get(key)))
+            if self._pending:
+                batch.has_row = True
+                # Rows are matched to batches by order; the step is Lightning's (equal steps
+                # under gradient accumulation are fine).
+                self.syncless.log(self._pending, step=batch.step)
+                self._pending = {}
+            self._batches.append(batch)
+
+        # ---- delivery, on the training thread -----------------------------------------------
+
+        def _drain(self, trainer: Any, wait: bool = False) -> None:
+            if self.syncless is None or self.syncless.closed:
+                return
+            if wait:
+                self._close_batch(trainer)
+                self.syncless.flush()
+            rows = self._rows.rows
+            pbar: dict[str, float] = {}
+            batches = self._batches
+            while batches:
+                batch = batches[0]
+                if batch.has_row:
+                    if not rows:
+                        break
+                    row = rows.popleft()
+                    self._current.update(row.values)
+                    for k, v in row.values.items():
+                        if k in self._pbar_keys:
+                            pbar[k] = v
+                batches.popleft()
+                if batch.log_now and batch.keys:
+                    self._emit(trainer, batch)
+            if pbar:
+                # The connector's dict, not the trainer.progress_bar_metrics property: the property
+                # computes epoch values, an all-reduce under sync_dist that every rank must join.
+                trainer._logger_connector._progress_bar_metrics.update(pbar)
+
+        def _emit(self, trainer: Any, batch: _Batch) -> None:
+            metrics = {k: self._current[k] for k in batch.keys if k in self._current}
+            if not metrics:
+                return
+            trainer._logger_connector._logged_metrics.update(metrics)
+            step = batch.step
+            step_metric = metrics.pop("step", None)
+            if step_metric is not None:
+                step = int(step_metric)
+            else:
+                metrics.setdefault("epoch", batch.epoch)
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics=metrics, step=step)
+                lg.save()
+
+        def _set_flags(self, trainer: Any, on: bool) -> None:
+            """Lightning reads step values only for metas with prog_bar/logger set: those are
+            kept off during the epoch and set back to the user's choice for the epoch-end log,
+            so that epoch values are shown and logged by Lightning itself, once."""
+            results = _train_results(trainer)
+            for key, (_name, prog_bar, logger) in self._keys.items():
+                metric = results.get(key)
+                if metric is not None:
+                    metric.meta.prog_bar = prog_bar and on
+                    metric.meta.logger = logger and on
+
+        # ---- Lightning hooks ----------------------------------------------------------------
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if stage != "fit":
+                return
+            self._uninstall()
+            self.syncless = Logger(every=self.every, sinks=[self._rows, *self._user_sinks],
+                              sinks_on="all")
+            self._keys.clear()
+            self._pending = {}
+            self._open = None
+            self._batches.clear()
+            self._rows.rows.clear()
+            self._current.clear()
+            self._pbar_keys.clear()
+            self._install(pl_module)
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            self._set_flags(trainer, on=False)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                 batch_idx: int) -> None:
+            self._close_batch(trainer)
+            self._drain(trainer)
+            self._start_batch(trainer)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            if self._open is not None:
+                self._open.ended = True
+                self._open.accumulating = (trainer.fit_loop._should_accumulate()
+                                           and pl_module.automatic_optimization)
+            self._drain(trainer)
+
+        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.training or trainer.state.fn == "fit":
+                self._drain(trainer, wait=True)
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            self._drain(trainer, wait=True)
+            self._set_flags(trainer, on=True)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self._drain(trainer, wait=True)
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            try:
+                self._drain(trainer, wait=True)
+            finally:
+                self._finish()
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if stage == "fit":
+                self._drain(trainer, wait=True)
+                self._finish()
+
+        def _finish(self) -> None:
+            self._uninstall()
+            if self.syncless is not None:
+                self.syncless.close()
+
+    SynclessLogging.__module__ = __name__
+    SynclessLogging.__qualname__ = "SynclessLogging"
+    return SynclessLogging
+
+
+def _valid(metric: Any) -> bool:
+    return metric is not None and not metric.has_reset and metric.meta.dataloader_idx is None
+
+
+def _train_results(trainer: Any) -> Any:
+    # Not trainer._results: that is the active loop's, the validation loop's during validation.
+    return trainer.fit_loop.epoch_loop._results
+
+
+def _logger_step(trainer: Any) -> int:
+    """The step Lightning passes to log_metrics for a training batch."""
+    loop = getattr(trainer.fit_loop, "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return trainer.global_step if step is None else step
+
+
+def _callback_class(pkg_name: str) -> type:
+    cls = _classes.get(pkg_name)
+    if cls is None:
+        try:
+            cls = _classes[pkg_name] = _build(pkg_name)
+        except ImportError as exc:
+            raise ImportError(
+                f"syncless.lightning needs {pkg_name}: pip install lightning") from exc
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use so that importing this module imports no Lightning package.
+    if name == "SynclessLogging":
+        try:
+            importlib.import_module("lightning.pytorch")
+            return _callback_class("lightning.pytorch")
+        except ImportError:
+            return _callback_class("pytorch_lightning")
+    if name == "SynclessLoggingPL":
+        return _callback_class("pytorch_lightning")
+    raise AttributeError(f"module 'syncless.lightning' has no attribute {name!r}")
