@@ -144,13 +144,7 @@ class Delivery:
         done = threading.Event()
         self._jobs.put(("marker", done, upto))
         done.wait()
-        for i, sink in enumerate(self.sinks):
-            flush = getattr(sink, "flush", None)
-            if flush is not None:
-                try:
-                    flush()
-                except BaseException as exc:
-                    self._sink_failed(i, sink, exc)
+        self.call_sinks("flush")
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -330,11 +324,12 @@ class Delivery:
             _log.error("syncless: sink %r raised %s: %s (reported once; the other sinks go on)",
                        sink, type(exc).__name__, exc)
 
-    def close_sinks(self) -> None:
+    def call_sinks(self, method: str) -> None:
+        """Every sink's optional flush() or close(), under the same error policy as write()."""
         for i, sink in enumerate(self.sinks):
-            close = getattr(sink, "close", None)
-            if close is not None:
+            fn = getattr(sink, method, None)
+            if fn is not None:
                 try:
-                    close()
+                    fn()
                 except BaseException as exc:
                     self._sink_failed(i, sink, exc)

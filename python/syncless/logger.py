@@ -441,7 +441,7 @@ class Logger:
             self._delivery.drain(float("inf"))
         finally:
             self._delivery.stop()
-            self._delivery.close_sinks()
+            self._delivery.call_sinks("close")
             if self._gen is not None and self._gen.captured:
                 _captured_rings.append(self._gen.memory)
             self._gen = self._ring = None
