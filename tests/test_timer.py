@@ -19,7 +19,8 @@ except ImportError:                               # the GPU machine has no IPyth
 
 import syncless
 from syncless.logger import Logger
-from syncless.timer import Stats, bench, load_ipython_extension, timer, timers
+from syncless import load_ipython_extension
+from syncless.timer import Stats, bench, timer, timers
 
 
 def within(ms, expected, device="cpu", slack=50.0):

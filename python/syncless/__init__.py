@@ -19,7 +19,7 @@ from .doctor import (Audit, Diagnosis, Finding, MonitorSummary, StepMonitor, Syn
                      audit, doctor, watch)
 from .logger import Logger, LoggerStats, Row
 from .progress import tqdm
-from .timer import Report, Stats, Timer, Timing, bench, load_ipython_extension, timer, timers
+from .timer import Report, Stats, Timer, Timing, bench, timer, timers
 
 __version__ = "0.1.0"          # the one place the version is written (pyproject reads it)
 
@@ -33,3 +33,10 @@ __all__ = [
     "doctor", "Diagnosis", "Finding",
     "tqdm", "CudaError", "load_ipython_extension", "__version__",
 ]
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext syncless`: the %gputime / %%gputime and %gputimeit / %%gputimeit magics.
+    IPython is imported only here, so syncless never needs it."""
+    from ._magics import TimerMagics
+    ipython.register_magics(TimerMagics)

@@ -41,8 +41,7 @@ from . import _compile
 from ._torch import _C
 from .logger import Logger
 
-__all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
-           "load_ipython_extension"]
+__all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report"]
 
 _log = logging.getLogger("syncless")
 
@@ -595,10 +594,3 @@ def bench(fn: Callable[[], Any], warmup: int = 25, rep: int = 100, *, flush_l2: 
         pairs.append(pair)
     return Stats.of([p.elapsed() for p in pairs])
 
-
-# ---- notebooks ---------------------------------------------------------------------------------
-
-def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext syncless`: the %gputime / %%gputime and %gputimeit / %%gputimeit magics."""
-    from ._magics import TimerMagics
-    ipython.register_magics(TimerMagics)
