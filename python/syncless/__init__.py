@@ -15,7 +15,7 @@ workers and forked children import it safely.
 """
 from . import sinks
 from ._C import CudaError
-from .doctor import StepMonitor, SyncError, audit, doctor, watch
+from .doctor import StepMonitor, SyncError, audit, doctor, step, watch
 from .logger import Logger, LoggerStats, Row
 from .progress import tqdm
 from .timer import bench, load_ipython_extension, timer, timers
@@ -25,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Logger", "LoggerStats", "Row", "sinks",         # sync-free metrics
     "timer", "timers", "bench",                      # GPU timing that cannot be read early
-    "audit", "watch", "StepMonitor", "doctor", "SyncError",   # finding what stalls the loop
+    "audit", "watch", "StepMonitor", "doctor", "SyncError", "step",   # what stalls the loop
     "tqdm", "CudaError", "load_ipython_extension", "__version__",
 ]
