@@ -61,7 +61,7 @@ class Boundaries:
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self._handles: list = []
         self._backward = None
-        self._monitoring = False
+        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
         self._saved_trace = None
 
     # ---- the decision ---------------------------------------------------------------------------
@@ -111,13 +111,14 @@ class Boundaries:
         if self._backward is not None:
             torch.autograd.backward = self._backward
             self._backward = None
-        if self._monitoring:
-            mon = sys.monitoring
-            mon.register_callback(mon.DEBUGGER_ID, mon.events.PY_START, None)
-            mon.register_callback(mon.DEBUGGER_ID, mon.events.LINE, None)
-            mon.set_events(mon.DEBUGGER_ID, 0)
-            mon.free_tool_id(mon.DEBUGGER_ID)
-            self._monitoring = False
+        if self._tool is not None:
+            mon, tool = sys.monitoring, self._tool
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.PY_START, None)
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+            mon.restart_events()            # locations this tool DISABLEd are live again
+            self._tool = None
         if self._saved_trace is not None:
             sys.settrace(self._saved_trace[0])
             self._saved_trace = None
@@ -171,14 +172,18 @@ class Boundaries:
         same = (lambda f: f == path or (not os.path.isabs(f) and os.path.abspath(f) == path))
         if sys.version_info >= (3, 12):
             mon = sys.monitoring
-            mon.use_tool_id(mon.DEBUGGER_ID, "syncless doctor")
-            self._monitoring = True
+            tool = next((t for t in (mon.PROFILER_ID, 3, 4, mon.DEBUGGER_ID)
+                         if mon.get_tool(t) is None), None)
+            if tool is None:
+                raise RuntimeError("--step-at: every sys.monitoring tool id is taken")
+            mon.use_tool_id(tool, "syncless doctor")
+            self._tool = tool
 
             def started(code, offset):
                 # Code of other files is never looked at again (DISABLE is per code location).
                 if not same(code.co_filename):
                     return mon.DISABLE
-                mon.set_local_events(mon.DEBUGGER_ID, code, mon.events.LINE)
+                mon.set_local_events(tool, code, mon.events.LINE)
                 return None
 
             def at_line(code, n):
@@ -187,9 +192,9 @@ class Boundaries:
                 self.fire(STEP_AT)
                 return None
 
-            mon.register_callback(mon.DEBUGGER_ID, mon.events.PY_START, started)
-            mon.register_callback(mon.DEBUGGER_ID, mon.events.LINE, at_line)
-            mon.set_events(mon.DEBUGGER_ID, mon.events.PY_START)
+            mon.register_callback(tool, mon.events.PY_START, started)
+            mon.register_callback(tool, mon.events.LINE, at_line)
+            mon.set_events(tool, mon.events.PY_START)
             return
 
         def local(frame, event, arg):
