@@ -1,4 +1,4 @@
-"""The doctor on a corpus of small realistic scripts, its predictions checked against their fixed twins.
+"""The doctor on a corpus of small realistic scripts, its predictions checked on their fixed twins.
 
     python benchmarks/doctor_corpus.py [--device cuda|cpu] [--only NAME ...] [--out DIR]
 

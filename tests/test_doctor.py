@@ -653,7 +653,8 @@ def test_watch_prints_a_report():
     assert "data wait" in text and "DataLoader starvation: wins back" in text, text
     assert "num_workers=0" in text
     html_text = w._repr_html_()
-    assert html_text.startswith("<pre") and "syncless.watch: 6 steps" in html_text
+    assert html_text.startswith("<p><b>syncless.watch</b>: 6 steps, ")
+    assert "<tr><td>data wait</td>" in html_text and "DataLoader starvation: wins back" in html_text
 
 
 # ---- CUDA: planted bottlenecks -------------------------------------------------------------------

@@ -3,7 +3,6 @@ batches sliced from a uint16 token array on the CPU. The fixed twin of gpt_fused
 step (forward, backward, clipping, AdamW(fused=True, capturable=True)) captured once in a CUDA
 graph and replayed, so one launch replaces hundreds. (On the CPU it runs the plain step.)"""
 import argparse
-import math
 
 import numpy as np
 import torch
@@ -55,7 +54,8 @@ def main():
     args = p.parse_args()
     device = args.device
     cpu = device == "cpu"
-    batch, block, d, layers, heads, vocab = (4, 32, 64, 2, 2, 65) if cpu else (16, 128, 384, 6, 6, 65)
+    batch, block, d, layers, heads, vocab = (4, 32, 64, 2, 2, 65) if cpu else \
+        (16, 128, 384, 6, 6, 65)
     rng = np.random.default_rng(0)
     data = rng.integers(0, vocab, size=1_000_000, dtype=np.uint16)
 
@@ -65,7 +65,8 @@ def main():
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block].astype(np.int64)) for i in ix])
         if cpu:
             return x, y
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return (x.pin_memory().to(device, non_blocking=True),
+                y.pin_memory().to(device, non_blocking=True))
 
     torch.manual_seed(1337)
     model = GPT(vocab, block, d, layers, heads).to(device)

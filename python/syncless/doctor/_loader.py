@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any, Callable
 
 __all__ = ["cpu_count", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
@@ -49,11 +49,14 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
     def timed_next(self):
         if on_next is not None:
             on_next()
-        t = perf_counter()
+        t, c = perf_counter(), thread_time()
         try:
             return original(self)
         finally:
-            monitor.add_data_wait(perf_counter() - t)
+            wall = perf_counter() - t
+            monitor.add_data_wait(wall)
+            if self._num_workers == 0 and hasattr(monitor, "add_data_cpu"):
+                monitor.add_data_cpu(wall, thread_time() - c)
             if not monitor.loader:
                 monitor.loader = loader_settings(self)
 
@@ -73,13 +76,17 @@ class WorkerPlan:
     target_ms: the step time without waiting (the step minus its data wait, at least the GPU's
     work), which the loader must keep up with."""
 
-    def __init__(self, workers: int, per_batch_ms: float, target_ms: float, cpus: int):
+    def __init__(self, workers: int, per_batch_ms: float, target_ms: float, cpus: int,
+                 computes: bool = True):
         self.workers = workers
         self.per_batch_ms = per_batch_ms
         self.target_ms = target_ms
         self.cpus = cpus
-        self.most = max(1, cpus - 1)              # one CPU stays with the training process
+        self.computes = computes                  # False: loading mostly waits (I/O)
         self.needed = max(1, math.ceil(HEADROOM * per_batch_ms / max(target_ms, 1e-6)))
+        # A worker that computes needs a CPU, and one CPU stays with the training process; one
+        # that waits does not (up to 64 workers, where their memory starts to matter).
+        self.most = max(1, cpus - 1) if computes else max(64, cpus - 1)
         self.enough = self.needed <= self.most
 
     def step_ms(self, workers: int) -> float:
@@ -88,7 +95,10 @@ class WorkerPlan:
 
 
 def plan_workers(settings: dict, data_ms: float, step_ms: float, target_ms: float,
-                 cpus: int | None = None) -> WorkerPlan:
+                 cpus: int | None = None, data_cpu: float | None = None) -> WorkerPlan:
+    """`data_cpu`: the CPU share of the loading measured on the training thread (num_workers=0);
+    under 0.5 the loading mostly waits, and workers need no CPU each."""
     workers = settings.get("num_workers") or 0
     per_batch = data_ms if workers == 0 else workers * step_ms
-    return WorkerPlan(workers, per_batch, target_ms, cpus or cpu_count())
+    computes = data_cpu is None or workers > 0 or data_cpu >= 0.5
+    return WorkerPlan(workers, per_batch, target_ms, cpus or cpu_count(), computes)

@@ -92,6 +92,9 @@ class ScriptSession:
     def add_data_wait(self, seconds: float) -> None:
         self.monitor.add_data_wait(seconds)
 
+    def add_data_cpu(self, wall: float, cpu: float) -> None:
+        self.monitor.add_data_cpu(wall, cpu)
+
     @property
     def loader(self) -> dict:
         return self._loader

@@ -23,12 +23,14 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any, Callable, Iterable, TextIO
 
 import torch
 
+from ._boundary import Boundaries
 from ._loader import timed_dataloaders
+from ._sampler import StackSampler
 from .audit import Audit
 from .findings import Finding, is_minor, launch_finding, starvation_finding, sync_findings
 from .monitor import MonitorSummary, StepMonitor
@@ -86,7 +88,8 @@ class Diagnosis:
         """The numbers and findings as plain data (`python -m syncless doctor --json PATH`)."""
         top = self.findings[0] if self.findings else None
         return {
-            "verdict": self.verdict_kind, "verdict_text": self.verdict, "headroom_ms": self.headroom_ms,
+            "verdict": self.verdict_kind, "verdict_text": self.verdict,
+            "headroom_ms": self.headroom_ms,
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "gpu_work_ms": self.gpu_work_ms,
@@ -325,22 +328,20 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     d.sync_bubble_ms = kernel_time.sync_bubble_ms if kernel_time else None
     step = step_ms
 
-    # The GPU work a step needs. The probe's queue-full time includes the host's time after a
-    # sync inside the step (the queue is empty then), so with syncs the trace's kernel time is
-    # the one to trust. On a GPU busy through the whole step (the event span fills it, the probe
-    # agrees within 20%) the span is the better figure: the probe, taken after an idle sleep,
-    # read up to 11% low on an H200 (clocks), which would promise gains that are not there.
+    # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
+    # own gaps between them (as a CUDA graph replays them), but a sync inside the step empties
+    # the queue and the host's time after it counts too: with a sync every step the trace's
+    # kernel time is the one to trust. On a GPU busy through the whole step (the event span fills
+    # it, the probe within 20%) the span is the better figure: the probe, taken after an idle
+    # sleep, read up to 11% low on an H200 (clocks), which would promise gains that are not there.
     syncs_matter = cupti and d.sync_ms >= 0.01 * step
     per_step = sum(s.count for s in audit.sites.values()) / audit.step_count if cupti else 0.0
     if gpu:
-        if syncs_matter and per_step >= 1 and gpu_trace_ms is not None:
-            d.gpu_work_ms, d.gpu_work_source = gpu_trace_ms, "kernel trace"
-        else:
-            known = [(v, k) for v, k in ((gpu_pure_ms, "queue full"), (gpu_trace_ms,
-                                                                        "kernel trace"))
-                     if v is not None]
-            if known:
-                d.gpu_work_ms, d.gpu_work_source = min(known)
+        order = ((gpu_trace_ms, "kernel trace"), (gpu_pure_ms, "queue full"))
+        if not (syncs_matter and per_step >= 1):
+            order = order[::-1]
+        d.gpu_work_ms, d.gpu_work_source = next(((v, k) for v, k in order if v is not None),
+                                                (None, ""))
         if d.gpu_work_ms is not None and gpu_span_ms and step > 0 and \
                 d.gpu_work_ms >= 0.8 * step and gpu_span_ms >= 0.95 * step and \
                 per_step < 1 and summary.data_ms < 0.05 * step and \
@@ -363,7 +364,8 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     copy_ms = sum(s.blocked_ns / 1e6 / audit.step_count for s in audit.sites.values()
                   if cupti and not s.site.chain and s.kinds & {2, 3, 1}
                   and (".to(" in s.site.code or ".cuda(" in s.site.code))
-    f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms)
+    f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
+                           data_cpu=summary.data_cpu)
     if f:
         findings.append(f)
     enqueue_ms = max(0.0, body - d.sync_ms)
@@ -460,15 +462,20 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
     """Diagnose a training step: `syncless.doctor(train_step, steps=30)` calls train_step()
     (or train_step(batch) for each batch of `loader`), prints the report to `file` (None: don't)
     and returns the Diagnosis."""
-    from ._sampler import StackSampler
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     source = _cycle(loader) if loader is not None else None
     fetch = (lambda: next(source)) if source is not None else (lambda: None)
     call = (lambda b: train_step(b)) if loader is not None else (lambda b: train_step())
 
-    for _ in range(warmup):
-        call(fetch())
+    # Warm-up; its model calls also name the model (the first module called) and its autocast.
+    seen = Boundaries(lambda kind, restart: None)
+    seen.install()
+    try:
+        for _ in range(warmup):
+            call(fetch())
+    finally:
+        seen.remove()
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     # 1. monitor (with the stack sampler)
@@ -481,9 +488,11 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
         t0 = perf_counter()
         for _ in range(steps):
             if source is not None:
-                t = perf_counter()
+                t, c = perf_counter(), thread_time()
                 batch = fetch()
-                mon.add_data_wait(perf_counter() - t)
+                wall = perf_counter() - t
+                mon.add_data_wait(wall)
+                mon.add_data_cpu(wall, thread_time() - c)
             else:
                 batch = None
             mon.begin()
@@ -517,7 +526,8 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
     kernel_ms, traced = _kernel_phase(call, fetch, gpu, trace)
     d = assess(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes,
                kernel_time=kernel_ms, launch_us=launch_cost_us() if gpu else None,
-               sampler=sampler, boundary="train_step() call")
+               sampler=sampler, boundary="train_step() call", model=seen.model,
+               autocast=seen.autocast)
     d.trace = traced
     if file is not None:
         print(d.report(), file=sys.stdout if file == "stdout" else file)

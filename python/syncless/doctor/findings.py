@@ -48,7 +48,7 @@ class Finding:
         return min(known) if known else None
 
     def ordered(self) -> None:
-        """Fixes with a prediction first, fastest predicted step first; the rest keep their order."""
+        """Predicted fixes first, the fastest predicted step first; the rest keep their order."""
         self.fixes.sort(key=lambda f: (getattr(f, "predicted_ms", None) is None,
                                        getattr(f, "predicted_ms", None) or 0.0))
 
@@ -69,7 +69,7 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
-                       cpus: int | None = None) -> Finding | None:
+                       cpus: int | None = None, data_cpu: float | None = None) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes)."""
     if step_ms <= 0 or data_ms < 0.05:
@@ -77,10 +77,12 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
     pin = cuda and bool(loader) and not loader.get("pin_memory")
     removed = data_ms + (copy_ms if pin else 0.0)
     target = after(step_ms, removed, gpu_ms)
-    plan = plan_workers(loader, data_ms, step_ms, target, cpus)
+    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
     fixes = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
+    if not plan.computes:
+        per += f" (mostly waiting: {data_cpu:.0%} of it on a CPU, so workers need no CPU each)"
     need = f"the step needs one every {target:.2f} ms"
     if plan.enough:
         what = (f"num_workers={plan.needed}" if loader else
@@ -93,10 +95,11 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
         best = plan.step_ms(plan.most)
         fixes.append(Fix(
             f"no worker count is enough (num_workers={workers} now): {per}, so even {plan.most} "
-            f"workers (this machine has {plan.cpus} CPUs) deliver one every "
-            f"{plan.per_batch_ms / plan.most:.2f} ms while {need}. Make batches cheaper: decode "
-            "at a lower resolution or with a faster decoder, augment on the GPU (on the batch after .to(device)), or store preprocessed samples "
-            "(uint8 tensors, a memory-mapped array) so that workers only read",
+            f"worker{'s' if plan.most > 1 else ''} (this machine has {plan.cpus} CPUs) deliver "
+            f"one every {plan.per_batch_ms / plan.most:.2f} ms while {need}. Make batches "
+            "cheaper: decode at a lower resolution or with a faster decoder, augment on the GPU "
+            "(on the batch after .to(device)), or store preprocessed samples (uint8 tensors, a "
+            "memory-mapped array) so that workers only read",
             best if plan.most > workers else None, "workers"))
     if pin:
         fixes.append(Fix("pin_memory=True, then .to(device, non_blocking=True): the host-to-device "

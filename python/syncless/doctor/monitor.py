@@ -54,6 +54,7 @@ class MonitorSummary:
     idle: float | None           # estimated GPU idle fraction: 1 - GPU time / wall time
     data_p90_ms: float = 0.0
     loader: dict = field(default_factory=dict)
+    data_cpu: float | None = None    # CPU share of the training thread's data wait (None: untimed)
 
     @property
     def data_share(self) -> float:
@@ -102,6 +103,7 @@ class StepMonitor:
         self.gpu_ms: dict[int, float] = {}
         self.untimed = 0                      # steps meant to be GPU-timed that were not
         self._wait_before = 0.0               # waited for data before the open step
+        self._data_wall = self._data_cpu = 0.0
         self._wait_inside = 0.0               # waited for data inside the open step
         self._t0 = None                       # start of the open step
         self._pair = None
@@ -119,6 +121,12 @@ class StepMonitor:
         self._costs: collections.deque = collections.deque(maxlen=16)
 
     # ---- marks --------------------------------------------------------------------------------
+
+    def add_data_cpu(self, wall: float, cpu: float) -> None:
+        """Thread CPU time spent in `wall` seconds of data wait (the doctor's DataLoader timing):
+        tells a loader that computes from one that waits (for disk, network, a sleep)."""
+        self._data_wall += wall
+        self._data_cpu += cpu
 
     def add_data_wait(self, seconds: float) -> None:
         """Time blocked waiting for data: before a step (counted to it) or inside one."""
@@ -280,7 +288,8 @@ class StepMonitor:
         return MonitorSummary(
             steps=n, data_ms=statistics.fmean(data) * 1e3, cpu_ms=statistics.fmean(cpu) * 1e3,
             step_ms=statistics.fmean(walls) * 1e3, gpu_ms=gpu_ms, gpu_steps=len(gpu), idle=idle,
-            data_p90_ms=data_sorted[min(n - 1, int(0.9 * n))] * 1e3, loader=self.loader)
+            data_p90_ms=data_sorted[min(n - 1, int(0.9 * n))] * 1e3, loader=self.loader,
+            data_cpu=self._data_cpu / self._data_wall if self._data_wall > 0 else None)
 
 
 class Watch:

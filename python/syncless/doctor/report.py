@@ -168,4 +168,17 @@ def render_watch(w: Any) -> str:
 
 
 def watch_html(w: Any) -> str:
-    return ("<pre style='font-family:monospace'>" + html.escape(render_watch(w)) + "</pre>")
+    """watch()'s report for a notebook: the time table as an HTML table, the advice below it."""
+    m = w.summary()
+    if m.steps == 0:
+        return "<p><b>syncless.watch</b>: no step measured yet</p>"
+    rows = [("data wait", m.data_ms), ("CPU (step body)", m.cpu_ms)]
+    if m.gpu_ms is not None:
+        rows.append((f"GPU span ({m.gpu_steps} steps timed)", m.gpu_ms))
+    cells = "".join(f"<tr><td>{html.escape(name)}</td><td style='text-align:right'>{ms:.3f}</td>"
+                    f"<td style='text-align:right'>{_pct(ms, m.step_ms)}</td></tr>"
+                    for name, ms in rows)
+    advice = render_watch(w).splitlines()[len(rows) + 3:]
+    return (f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)</p>"
+            f"<table><tr><th></th><th>ms/step</th><th>share</th></tr>{cells}</table>"
+            + "".join(f"<p>{html.escape(line)}</p>" for line in advice))
