@@ -46,7 +46,7 @@ def main():
     args = p.parse_args()
     device = args.device
     cpu = device == "cpu"
-    batch, seq = (8, 32) if cpu else (128, 128)
+    batch, seq = (8, 32) if cpu else (256, 32)
     text = make_text(200_000 if cpu else 2_000_000)
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -60,7 +60,7 @@ def main():
 
     torch.manual_seed(0)
     random.seed(0)
-    model = CharLSTM(len(chars), 64 if cpu else 128, 64 if cpu else 512, 2).to(device)
+    model = CharLSTM(len(chars), 64 if cpu else 256, 64 if cpu else 1024, 2).to(device)
     criterion = nn.CrossEntropyLoss()
     clock = StepClock(device)
     total_loss = torch.zeros((), device=device)

@@ -13,13 +13,13 @@ from typing import Any
 
 from ._frameworks import framework_fix
 from ._loader import plan_workers
+from .audit import ASYNC_COPY
 
 __all__ = ["Fix", "Finding", "after", "starvation_finding", "sync_findings", "launch_finding",
            "MINOR_SHARE"]
 
 MINOR_SHARE = 0.01         # a finding winning back < 1% of the step is minor
 LAUNCH_MIN_KERNELS = 8
-COPY_KINDS = (2, 3)        # audit.COPY, audit.ASYNC_COPY
 
 
 class Fix(str):
@@ -151,6 +151,10 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
     for s in audit.ranked():
         ms = s.blocked_ns / 1e6 / steps if timed else 0.0
         per_step = s.count / steps
+        if s.kinds == {ASYNC_COPY} and per_step < 1:
+            # An "async" copy that blocked now and then, not every step: the launch queue was
+            # full (the GPU's pace), not a pageable copy.
+            continue
         fw = framework_fix(s.site.chain) if s.site.chain else None
         if fw is not None:
             frameworks.setdefault(fw.framework, []).append((s, fw, ms, per_step))
@@ -192,7 +196,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
 def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | None,
                    step_ms: float, data_ms: float = 0.0, launch_us: float | None = None,
                    optimizers: list = (), optimizer_ms: float | None = None,
-                   compiled: bool = False) -> Finding | None:
+                   compiled: bool = False, graph_ms: float | None = None) -> Finding | None:
     """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it."""
     if gpu_ms is None or gpu_ms <= 0 or enqueue_ms <= gpu_ms or step_ms <= 0:
         return None
@@ -202,7 +206,7 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
         return None
     per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
     count = f"{kernels:.0f} kernels per step" if kernels else "kernels"
-    graph = after(step_ms, step_ms, max(gpu_ms, data_ms))
+    graph = after(step_ms, step_ms, max(graph_ms or gpu_ms, data_ms))
     fixes = [Fix("capture the step in a CUDA graph, which replaces every launch with one: "
                  "torch.compile(model, mode=\"reduce-overhead\"), or torch.cuda.graph / "
                  "torch.cuda.make_graphed_callables around the whole step (static inputs, "
