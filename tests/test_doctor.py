@@ -643,6 +643,33 @@ def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
     assert d.as_dict()["top_predicted_ms"] == 2.0
 
 
+def test_a_copy_that_blocks_now_and_then_is_a_full_launch_queue():
+    from syncless.doctor.audit import ASYNC_COPY
+    from syncless.doctor.diagnose import assess
+    copy = item_site()._replace(code="static_in.copy_(x)")
+    a = cupti_audit([(copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, 1)], steps=5)
+    every = assess(summary(10.0), a, 2, 10.0, True, 9.0, 6.0, 3).finding("sync")
+    assert every is not None and "pin it" in every.fixes[0], "a pageable copy every step"
+    rare = cupti_audit([], steps=5)
+    rare._add(rare.sites, copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, True)   # once in 5 steps
+    d = assess(summary(10.0), rare, 2, 10.0, True, 9.0, 6.0, 3)
+    assert d.finding("sync") is None, d.report()
+
+
+def test_the_cuda_graph_fix_predicts_kernel_time_plus_the_graphs_own_gaps():
+    from syncless.doctor.diagnose import GRAPH_GAP_US, KernelTime, assess
+    a = cupti_audit([])
+    a.kernels = 4 * 400
+    # Probe (queue full, stream launches): 2.4 ms; the trace's kernel time: 1.9 ms.
+    d = assess(summary(15.0), a, 2, 15.0, True, 14.8, 2.4, 3, launch_us=12.0,
+               kernel_time=KernelTime(1.9, None, 0.0))
+    f = d.findings[0]
+    assert d.gpu_work_ms == 2.4 and d.gpu_work_source == "queue full"
+    assert f.kind == "launch-bound" and f.fixes[0].tag == "cuda-graph"
+    assert f.fixes[0].predicted_ms == pytest.approx(1.9 + 400 * GRAPH_GAP_US / 1e3)
+    assert d.verdict_kind == "CPU-bound" and d.headroom_ms == pytest.approx(12.6)
+
+
 def test_watch_prints_a_report():
     w = watch(DataLoader(SleepyDataset(6, 0.02), batch_size=1))
     assert str(w) == "syncless.watch: no step measured yet"
