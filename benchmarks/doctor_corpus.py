@@ -145,11 +145,11 @@ def judge(row: dict, expected: str, device: str) -> None:
 
 def table(rows: list) -> str:
     head = ["script", "verdict", "expected", "step before", "fix applied (rank)",
-            "predicted after", "measured after", "gain error", "false alarms on the twin"]
+            "predicted after", "measured after", "error", "gain error", "false alarms on the twin"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "verdict" not in r:
-            lines.append(f"| {r['script']} | error | {r.get('expected', '')} | | | | | | |")
+            lines.append(f"| {r['script']} | error | {r.get('expected', '')} | | | | | | | |")
             continue
 
         def ms(v):
@@ -160,10 +160,12 @@ def table(rows: list) -> str:
                                         ", but measured")))
         alarms = "; ".join(r.get("false_alarms") or []) or ("none" if "twin_verdict" in r
                                                             else "twin doctor failed")
+        se = r.get("step_error")
+        err = f"{se:+.0%}" if se is not None else "-"
         lines.append(f"| {r['script']} | {r['verdict']} | {r.get('expected', '')} | "
                      f"{ms(r['step_ms'])} | {r.get('applied') or 'not found'} "
                      f"({r.get('applied_rank') or 'minor'}) | {ms(r['predicted_ms'])} | "
-                     f"{ms(r.get('measured_ms'))} | {gain} | {alarms} |")
+                     f"{ms(r.get('measured_ms'))} | {err} | {gain} | {alarms} |")
     return "\n".join(lines)
 
 
@@ -190,7 +192,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per process, seconds")
     p.add_argument("--plain", action="store_true",
                    help="also run each twin without the doctor, on its own clock")
+    p.add_argument("--render", metavar="JSON",
+                   help="only rewrite the markdown table from a results file (rows judged again)")
     ns = p.parse_args(argv)
+    if ns.render:
+        with open(ns.render) as f:
+            saved = json.load(f)
+        expected = {name: (exp, applied) for name, exp, applied, _ in SCRIPTS}
+        for row in saved["rows"]:
+            judge(row, expected[row["script"]][0], saved["env"]["device"])
+        print(write(saved["rows"], saved["env"], ns.out))
+        return 0
     import torch
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = [s for s in SCRIPTS if not ns.only or s[0] in ns.only]
