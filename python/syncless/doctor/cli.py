@@ -36,6 +36,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ._boundary import MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
+from ._frames import short
 from ._loader import timed_dataloaders
 from ._sampler import StackSampler
 from .audit import Audit
@@ -247,7 +248,7 @@ class ScriptSession:
         if kind == MODULE and self.bounds.model is not None:
             return f"end of {kind} ({type(self.bounds.model).__name__})"
         if kind == STEP_AT and self.step_at:
-            return f"pass over {os.path.relpath(self.step_at[0])}:{self.step_at[1]} (--step-at)"
+            return f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
         return kind or ""
 
     def diagnosis(self) -> Diagnosis:
