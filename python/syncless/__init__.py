@@ -16,7 +16,7 @@ workers and forked children import it safely.
 from . import sinks
 from ._C import CudaError
 from .doctor import (Audit, Diagnosis, Finding, MonitorSummary, StepMonitor, SyncError, Watch,
-                     audit, doctor, watch)
+                     audit, doctor, step, watch)
 from .logger import Logger, LoggerStats, Row
 from .progress import tqdm
 from .timer import Report, Stats, Timer, Timing, bench, timer, timers
@@ -30,7 +30,7 @@ __all__ = [
     "timer", "timers", "bench", "Timer", "Timing", "Stats", "Report",
     # finding what stalls the loop: audit() -> Audit, watch() -> Watch, doctor() -> Diagnosis
     "audit", "Audit", "SyncError", "watch", "Watch", "StepMonitor", "MonitorSummary",
-    "doctor", "Diagnosis", "Finding",
+    "doctor", "Diagnosis", "Finding", "step",
     "tqdm", "CudaError", "load_ipython_extension", "__version__",
 ]
 

@@ -1,5 +1,6 @@
 """Which stack frame is "the user's line": the first one outside torch, syncless, the standard
-library and installed packages."""
+library and installed packages; and the library frames between it and the call (the framework
+code that made a sync, which the user can only change through its settings)."""
 from __future__ import annotations
 
 import linecache
@@ -15,6 +16,7 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB = tuple({os.path.abspath(p) + os.sep for k in ("stdlib", "platstdlib")
                  if (p := sysconfig.get_paths().get(k))})
 _INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_MAX_CHAIN = 40
 
 # filename -> "user" | "torch" | "syncless" | "library"
 _kinds: dict[str, str] = {}
@@ -37,19 +39,42 @@ def _kind(filename: str) -> str:
     return kind
 
 
+class Frame(NamedTuple):
+    """A library frame between the user's line and the call: (file, line, function)."""
+    file: str
+    line: int
+    function: str
+
+    @property
+    def where(self) -> str:
+        return f"{short(self.file)}:{self.line}"
+
+    def code(self, before: int = 0) -> str:
+        """The source line, with `before` lines above it (a condition split over lines)."""
+        return "\n".join(linecache.getline(self.file, n).strip()
+                         for n in range(max(1, self.line - before), self.line + 1))
+
+
 class Site(NamedTuple):
     file: str
     line: int
     function: str
     code: str           # the source line, stripped
     via: str            # "file:line" of the innermost non-torch library frame, or ""
+    chain: tuple = ()   # the non-torch library Frames, innermost first
 
     @property
     def where(self) -> str:
-        return f"{_short(self.file)}:{self.line}"
+        return f"{short(self.file)}:{self.line}"
 
 
-def _short(path: str) -> str:
+def short(path: str) -> str:
+    """A path as the report prints it: relative to the working folder when that is short, else
+    from the installed package's folder (`transformers/trainer.py`)."""
+    for marker in _INSTALLED:
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + len(marker):]
     try:
         rel = os.path.relpath(path)
     except ValueError:
@@ -60,7 +85,7 @@ def _short(path: str) -> str:
 def user_site(frame) -> Site | None:
     """The first user frame from `frame` outwards; None when the call came from syncless itself
     (its own bookkeeping, never the user's sync)."""
-    via = ""
+    chain: list[Frame] = []
     f = frame
     while f is not None:
         code = f.f_code
@@ -68,14 +93,42 @@ def user_site(frame) -> Site | None:
         if kind == "user":
             line = f.f_lineno or code.co_firstlineno
             text = linecache.getline(code.co_filename, line).strip()
-            return Site(code.co_filename, line, code.co_name, text, via)
+            via = chain[0].where if chain else ""
+            return Site(code.co_filename, line, code.co_name, text, via, tuple(chain))
         if kind == "syncless":
             return None
+        if kind == "library" and not code.co_filename.startswith("<frozen") \
+                and len(chain) < _MAX_CHAIN:
+            chain.append(Frame(code.co_filename, f.f_lineno or code.co_firstlineno,
+                               code.co_name))
+        f = f.f_back
+    return None
+
+
+def sampled_site(frame) -> tuple[str, int, str] | None:
+    """(file, line, innermost library "file:line" or "") of the first user frame from `frame`
+    outwards, skipping syncless' own frames (the doctor's hooks run inside the user's step)."""
+    via = ""
+    f = frame
+    while f is not None:
+        code = f.f_code
+        kind = _kind(code.co_filename)
+        if kind == "user":
+            return code.co_filename, f.f_lineno or code.co_firstlineno, via
         if kind == "library" and not via and not code.co_filename.startswith("<frozen"):
-            via = f"{_short(code.co_filename)}:{f.f_lineno}"
+            via = f"{short(code.co_filename)}:{f.f_lineno}"
         f = f.f_back
     return None
 
 
 def caller_site(depth: int = 1) -> Site | None:
     return user_site(sys._getframe(depth + 1))
+
+
+def outside_syncless(frame) -> bool:
+    f = frame
+    while f is not None:
+        if _kind(f.f_code.co_filename) == "syncless":
+            return False
+        f = f.f_back
+    return True

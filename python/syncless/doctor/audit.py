@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ._frames import Site, user_site
+from ._frames import Site, outside_syncless, user_site
+from .report import render_audit
 
 __all__ = ["audit", "Audit", "SyncSite", "SyncError"]
 
@@ -239,7 +240,7 @@ class Audit:
         frame = sys._getframe(1)
         site = user_site(frame)
         if site is None:
-            if kind in _SYNC_KINDS and _outside_syncless(frame):
+            if kind in _SYNC_KINDS and outside_syncless(frame):
                 self.unattributed += 1
             return
         if kind == SLOW:
@@ -257,7 +258,10 @@ class Audit:
             self._raise_in(frame, site, name)
 
     def _add(self, table: dict, site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
-        key = (site.file, site.line)
+        # Syncs made by library code group by the library line (the user's line is where the
+        # framework was entered, the same for all of them).
+        lib = site.chain[0] if site.chain else None
+        key = (site.file, site.line) + ((lib.file, lib.line) if lib else ())
         entry = table.get(key)
         if entry is None:
             entry = table[key] = SyncSite(site)
@@ -333,18 +337,7 @@ class Audit:
         return sum(s.blocked_ns for s in self.sites.values()) / 1e6 / self.step_count
 
     def report(self) -> str:
-        from .report import render_audit
         return render_audit(self)
-
-
-def _outside_syncless(frame) -> bool:
-    from ._frames import _kind
-    f = frame
-    while f is not None:
-        if _kind(f.f_code.co_filename) == "syncless":
-            return False
-        f = f.f_back
-    return True
 
 
 def audit(fn: Callable[[], Any] | None = None, steps: int | None = None, *,

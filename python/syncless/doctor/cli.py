@@ -1,37 +1,49 @@
 """python -m syncless doctor [options] script.py [args]: the doctor for a whole script.
 
-A step is what runs between two optimizer.step() calls (a global optimizer post-step hook marks
-each boundary); data wait is the time spent in DataLoader iterators' next(). The script runs
-through these phases, one after another, at its step boundaries:
+A step ends at the strongest boundary the script shows: a `syncless.step()` marker, a line given
+with --step-at FILE:LINE, optimizer.step() (the first optimizer's), backward(), a DataLoader's
+next(), or the end of the outermost nn.Module call (inference); the report says which. Data wait is
+the time spent in DataLoader iterators' next(). The script runs through these phases, one after
+another, at its step boundaries:
 
   warm-up  --warmup steps, not measured (lazy loading, autotuning, allocator growth)
-  monitor  --steps steps: data wait, CPU time and GPU time of every step; the GPU is drained
-           at both ends, so wall time / steps is the real step time
+  monitor  --steps steps: data wait, CPU time and GPU time of every step (the GPU is drained at
+           both ends, so wall time / steps is the real step time); a stack sampler (every 2 ms)
+           finds the lines the host time goes to; optimizer.step() is timed
   probe    (CUDA) --probe-steps steps, each queued behind a GPU sleep kernel so that its kernels
-           run back to back: the GPU work a step needs, for the launch-bound verdict
+           run back to back: the GPU work a step needs
   audit    --audit-steps steps under CUPTI: every sync with its line, kernels per step
-  trace    (--trace PATH) --trace-steps steps under torch.profiler, written to PATH for
+  kernels  (CUDA, or --trace PATH) --trace-steps steps under torch.profiler: the kernels' GPU
+           time (the GPU-work figure when the step syncs), and the trace written to PATH for
            https://ui.perfetto.dev; last, because torch.profiler takes CUPTI over
 
-Then the script is stopped and the report printed. A script that ends sooner gets the report of
-what was measured, with a note naming the phases that did not run.
+Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
+sooner gets the report of what was measured, with a note naming the phases that did not run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import sys
+import tempfile
+import threading
 from time import perf_counter
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
+from ._boundary import MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
+from ._frames import short
+from ._loader import timed_dataloaders
+from ._sampler import StackSampler
 from .audit import Audit
-from .diagnose import Diagnosis, QueueProbe, assess, profiler, timed_dataloaders
+from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, trace_gpu
 from .monitor import StepMonitor
 
-PHASES = ("warm-up", "monitor", "probe", "audit", "trace")
+PHASES = ("warm-up", "monitor", "probe", "audit", "kernels")
 
 
 class _Done(BaseException):
@@ -44,26 +56,54 @@ def _cuda() -> bool:
 
 
 class ScriptSession:
-    """Runs a script, moving through the phases at its optimizer steps."""
+    """Runs a script, moving through the phases at its step boundaries."""
 
     def __init__(self, warmup: int = 3, steps: int = 30, probe_steps: int = 3,
-                 audit_steps: int = 10, trace: str | None = None, trace_steps: int = 3):
+                 audit_steps: int = 10, trace: str | None = None, trace_steps: int = 3,
+                 step_at: tuple[str, int] | None = None):
         self.plan = {"warm-up": warmup, "monitor": steps, "probe": probe_steps,
-                     "audit": audit_steps, "trace": trace_steps if trace else 0}
+                     "audit": audit_steps, "kernels": trace_steps}
+        self.trace = trace
+        self.traced = False
+        self.step_at = step_at
+        self.bounds = Boundaries(self.on_boundary, step_at)
+        self._loader: dict = {}
+        self._reset()
+
+    def _reset(self) -> None:
         self.done = dict.fromkeys(PHASES, 0)     # finished steps per phase
         self.entered: list[str] = []
         self.phase: str | None = None
-        self.trace = trace
-        self.traced = False
-        self.seen = 0
         self.monitor = StepMonitor(gpu_every=1)
+        self.monitor.loader = self._loader
         self.audit = Audit()
         self.probe: QueueProbe | None = None
+        self.sampler = StackSampler(threading.get_ident())
         self.step_ms: float | None = None        # drained wall / monitored steps
         self.gpu_pure_ms: float | None = None
+        self.kernel_time = None
+        self.optimizer_s = 0.0
+        self._opt_t0 = None
         self._profile = None
+        self._trace_path = None
         self._t0 = 0.0
-        self._hook = None
+
+    # ---- the data-wait side of timed_dataloaders ------------------------------------------------
+
+    def add_data_wait(self, seconds: float) -> None:
+        self.monitor.add_data_wait(seconds)
+
+    def add_data_cpu(self, wall: float, cpu: float) -> None:
+        self.monitor.add_data_cpu(wall, cpu)
+
+    @property
+    def loader(self) -> dict:
+        return self._loader
+
+    @loader.setter
+    def loader(self, settings: dict) -> None:
+        self._loader = settings
+        self.monitor.loader = settings
 
     # ---- running --------------------------------------------------------------------------------
 
@@ -72,24 +112,43 @@ class ScriptSession:
         saved_argv, saved_path = sys.argv, sys.path[:]
         sys.argv = [path, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-        self._hook = register_optimizer_step_post_hook(self.on_step)
+        pre = register_optimizer_step_pre_hook(self._optimizer_begins)
+        post = register_optimizer_step_post_hook(self._optimizer_ends)
+        self.bounds.install()
         try:
             self._enter(self._after(None))
             self._open_step()
-            with timed_dataloaders(self.monitor):
+            with timed_dataloaders(self, on_next=self.bounds.loader_next):
                 runpy.run_path(path, run_name="__main__")
         except _Done:
             pass
         finally:
-            self._hook.remove()
+            self.bounds.remove()
+            pre.remove()
+            post.remove()
             sys.argv, sys.path[:] = saved_argv, saved_path
             if self.phase is not None:
                 self._leave(finished=False)
 
-    def on_step(self, optimizer, args, kwargs) -> None:
-        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-            return                  # a step recorded into a CUDA graph does not run now
-        self.seen += 1
+    def _optimizer_begins(self, optimizer, args, kwargs) -> None:
+        if self.phase == "monitor" and threading.get_ident() == self.sampler.thread_id:
+            self._opt_t0 = perf_counter()
+
+    def _optimizer_ends(self, optimizer, args, kwargs) -> None:
+        if self._opt_t0 is not None:
+            self.optimizer_s += perf_counter() - self._opt_t0
+            self._opt_t0 = None
+
+    def on_boundary(self, kind: str, restart: bool) -> None:
+        if restart:
+            # A stronger boundary appeared (the first optimizer.step() after the first
+            # backward()): what ran so far measured other steps; start over at this one.
+            if self.phase is not None:
+                self._leave(finished=False)
+            self._reset()
+            self._enter(self._after(None))
+            self._open_step()
+            return
         if self.phase is None:
             return
         self._close_step()
@@ -106,7 +165,14 @@ class ScriptSession:
 
     def _after(self, phase: str | None) -> str | None:
         rest = PHASES[PHASES.index(phase) + 1:] if phase else PHASES
-        return next((p for p in rest if self.plan[p] > 0), None)
+        return next((p for p in rest if self._planned(p) > 0), None)
+
+    def _planned(self, phase: str) -> int:
+        if phase == "probe" and not _cuda():
+            return 0
+        if phase == "kernels" and not (_cuda() or self.trace):
+            return 0
+        return self.plan[phase]
 
     def _open_step(self) -> None:
         if self.phase in ("warm-up", "monitor"):
@@ -129,7 +195,9 @@ class ScriptSession:
         self.phase = phase
         self.entered.append(phase)
         if phase == "monitor":
+            self.optimizer_s = 0.0
             self._t0 = self._drained_clock()
+            self.sampler.start()
         elif phase == "probe":
             self.probe = QueueProbe(self.step_ms)
         elif phase == "audit":
@@ -137,31 +205,51 @@ class ScriptSession:
             # torch iterates the global hooks while it calls this one, and removing a hook it has
             # not reached yet raises "OrderedDict mutated during iteration": keep ours the last
             # one, since the audit's __exit__ (called from ours) removes the audit's hook.
-            self._hook.remove()
-            self._hook = register_optimizer_step_post_hook(self.on_step)
-        elif phase == "trace":
-            self._profile = profiler(_cuda())
+            self.bounds.reinstall_optimizer_hook()
+        elif phase == "kernels":
+            if _cuda():
+                torch.cuda.synchronize()
+            self._trace_path = self.trace or os.path.join(
+                tempfile.mkdtemp(prefix="syncless-doctor-"), "trace.json")
+            self._profile = profiler(_cuda(), cpu=bool(self.trace))
             self._profile.__enter__()
 
     def _leave(self, finished: bool) -> None:
         phase, self.phase = self.phase, None
-        if phase == "monitor" and finished:
-            self.step_ms = (self._drained_clock() - self._t0) * 1e3 / self.done["monitor"]
-            if not _cuda():
-                self.plan["probe"] = 0
+        if phase == "monitor":
+            self.sampler.stop()
+            if finished:
+                self.step_ms = (self._drained_clock() - self._t0) * 1e3 / self.done["monitor"]
         elif phase == "probe":
             self.gpu_pure_ms = self.probe.median_ms()
         elif phase == "audit":
             self.audit.__exit__(None, None, None)
             self.audit.steps = max(1, self.done["audit"])
-        elif phase == "trace":
-            if _cuda():
+        elif phase == "kernels":
+            gpu = _cuda()
+            if gpu:
                 torch.cuda.synchronize()
             self._profile.__exit__(None, None, None)
-            self._profile.export_chrome_trace(self.trace)
-            self.traced = True
+            self._profile.export_chrome_trace(self._trace_path)
+            if gpu and self.done["kernels"]:
+                self.kernel_time = trace_gpu(self._trace_path, self.done["kernels"])
+            if self.trace:
+                self.traced = True
+            else:
+                os.remove(self._trace_path)
+                os.rmdir(os.path.dirname(self._trace_path))
 
     # ---- the report -----------------------------------------------------------------------------
+
+    def boundary_text(self) -> str:
+        kind = self.bounds.kind
+        if kind == OPTIMIZER and self.bounds.optimizer is not None:
+            return f"{kind} ({type(self.bounds.optimizer).__name__})"
+        if kind == MODULE and self.bounds.model is not None:
+            return f"end of {kind} ({type(self.bounds.model).__name__})"
+        if kind == STEP_AT and self.step_at:
+            return f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
+        return kind or ""
 
     def diagnosis(self) -> Diagnosis:
         """The Diagnosis of what was measured (call after run())."""
@@ -169,22 +257,31 @@ class ScriptSession:
         warmup = self.plan["warm-up"]
         m = self.monitor.summary(skip=warmup)
         gpu = _cuda()
-        if not gpu:
-            self.plan["probe"] = 0
+        kind = self.bounds.kind
+        seen = self.bounds.seen.get(kind, 0) if kind else 0
         notes = []
-        if self.seen == 0:
-            notes.append("no optimizer step was seen: steps are counted at optimizer.step()")
+        if kind is None:
+            notes.append("no step boundary was seen (no optimizer.step(), backward(), DataLoader "
+                         "next() or nn.Module call): mark the end of each step with "
+                         "syncless.step(), or name its line with --step-at FILE:LINE")
         else:
             missed = self._missed()
             if missed:
-                notes.append(f"the script ended after {self.seen} optimizer steps: {missed}; "
-                             f"all phases take {sum(self.plan.values())} steps (lower --steps "
-                             "or --audit-steps, or let the script run longer)")
+                total = sum(self._planned(p) for p in PHASES)
+                notes.append(f"the script ended after {seen} steps: {missed}; all phases take "
+                             f"{total} steps (lower --steps or --audit-steps, or let the script "
+                             "run longer)")
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
-        d = assess(m, self.audit, min(self.seen, warmup), step_ms, gpu, m.gpu_ms,
-                   self.gpu_pure_ms, self.probe.steps if self.probe else 0, notes)
+        monitored = max(1, self.done["monitor"])
+        d = assess(m, self.audit, min(seen, warmup), step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
+                   self.probe.steps if self.probe else 0, notes,
+                   kernel_time=self.kernel_time,
+                   launch_us=launch_cost_us() if gpu else None, sampler=self.sampler,
+                   boundary=self.boundary_text(),
+                   optimizer_ms=self.optimizer_s * 1e3 / monitored if self.optimizer_s else None,
+                   model=self.bounds.model, autocast=self.bounds.autocast)
         if self.traced:
             d.trace = self.trace
         return d
@@ -192,10 +289,13 @@ class ScriptSession:
     def _missed(self) -> str:
         parts = []
         for phase in PHASES:
-            want, got = self.plan[phase], self.done[phase]
+            want, got = self._planned(phase), self.done[phase]
+            if phase == "kernels" and not self.trace:
+                continue                       # an internal phase: only --trace asks for it
             if got < want:
-                parts.append(f"the {phase} ran {got} of {want} steps" if phase in self.entered
-                             else f"the {phase} did not run")
+                name = "trace" if phase == "kernels" else phase
+                parts.append(f"the {name} ran {got} of {want} steps" if phase in self.entered
+                             else f"the {name} did not run")
         return ", ".join(parts)
 
 
@@ -211,40 +311,65 @@ def _count(least: int):
     return parse
 
 
+def _step_at(text: str) -> tuple[str, int]:
+    try:
+        return parse_step_at(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 2}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m syncless doctor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--warmup", type=_count(0), default=3, metavar="N",
+    p.add_argument("--warmup", type=_count(0), default=None, metavar="N",
                    help="unmeasured first steps (default 3)")
-    p.add_argument("--steps", type=_count(1), default=30, metavar="N",
+    p.add_argument("--steps", type=_count(1), default=None, metavar="N",
                    help="monitored steps (default 30)")
-    p.add_argument("--probe-steps", type=_count(1), default=3, metavar="N",
+    p.add_argument("--probe-steps", type=_count(1), default=None, metavar="N",
                    help="steps queued behind a GPU sleep, CUDA only (default 3)")
-    p.add_argument("--audit-steps", type=_count(1), default=10, metavar="N",
+    p.add_argument("--audit-steps", type=_count(1), default=None, metavar="N",
                    help="audited steps (default 10)")
     p.add_argument("--trace", metavar="PATH",
                    help="write a torch.profiler trace (Chrome/Perfetto JSON) of the last steps")
-    p.add_argument("--trace-steps", type=_count(1), default=3, metavar="N",
-                   help="traced steps with --trace (default 3)")
+    p.add_argument("--trace-steps", type=_count(1), default=None, metavar="N",
+                   help="steps under torch.profiler at the end (CUDA or --trace; default 3)")
+    p.add_argument("--step-at", type=_step_at, metavar="FILE:LINE",
+                   help="a step ends each time this line runs (loops without optimizer.step())")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 2")
+    p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("script", help="the training script, run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
+    defaults = QUICK if ns.quick else {"warmup": 3, "steps": 30, "probe_steps": 3,
+                                       "audit_steps": 10, "trace_steps": 3}
+    for key, value in defaults.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, value)
     if not os.path.isfile(ns.script):
         p.error(f"script not found: {ns.script}")
-    if ns.trace:
-        folder = os.path.dirname(os.path.abspath(ns.trace))
-        if not os.path.isdir(folder):
-            p.error(f"--trace: folder {folder} does not exist")
+    for option, path in (("--trace", ns.trace), ("--json", ns.json)):
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                p.error(f"{option}: folder {folder} does not exist")
     return ns
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
-                            ns.trace_steps)
+                            ns.trace_steps, ns.step_at)
     try:
         session.run(ns.script, ns.args)
     finally:
         # Also when the script fails or exits: the report of what was measured, then its error.
-        print(session.diagnosis().report(), flush=True)
+        d = session.diagnosis()
+        print(d.report(), flush=True)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump(d.as_dict(), f, indent=1, default=str)
     return 0

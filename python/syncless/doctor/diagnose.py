@@ -8,22 +8,35 @@ allocator growth are not blamed on the loop):
   2. audit     a few steps under CUPTI: every sync with its line and blocked time, kernels/step.
   3. probe     (CUDA) a few steps queued behind a GPU sleep kernel, so the step's kernels run
                back to back: the GPU time the step really needs, without launch gaps.
-  4. trace     (trace=path) a torch.profiler trace of 3 steps, Perfetto-compatible.
+  4. kernels   (CUDA, or trace=path) 3 steps under torch.profiler: the kernels' GPU time (the
+               GPU work figure when the step syncs) and, with trace=, a Perfetto trace.
+The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines.
 """
 from __future__ import annotations
 
+import bisect
+import math
 import contextlib
+import html
+import json
+import os
 import statistics
 import sys
+import tempfile
+import warnings
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any, Callable, Iterable, TextIO
 
 import torch
 
+from ._boundary import Boundaries
+from ._loader import timed_dataloaders
+from ._sampler import StackSampler
 from .audit import Audit
-from .monitor import MonitorSummary, StepMonitor, loader_settings
-from .report import Finding, launch_finding, render_doctor, starvation_finding, sync_findings
+from .findings import Finding, is_minor, launch_finding, starvation_finding, sync_findings
+from .monitor import MonitorSummary, StepMonitor
+from .report import render_doctor
 
 __all__ = ["doctor", "Diagnosis", "assess", "QueueProbe", "timed_dataloaders"]
 
@@ -35,13 +48,29 @@ class Diagnosis:
     warmup: int
     step_ms: float                     # real wall time per step
     gpu: bool
-    gpu_busy_ms: float = 0.0
-    gpu_pure_ms: float | None = None
+    gpu_busy_ms: float = 0.0           # the monitor's event span per step (GPU work + its gaps)
+    gpu_pure_ms: float | None = None   # the probe's queue-full time
+    gpu_trace_ms: float | None = None  # kernel time per step from the trace (short gaps in)
+    sync_bubble_ms: float | None = None  # GPU idle after the syncs per step, from the trace
+    gpu_work_ms: float | None = None   # the GPU work the step needs: what no host fix goes below
+    gpu_work_source: str = ""
     sync_ms: float = 0.0
     kernels: float | None = None
+    launch_us: float | None = None     # host cost of one small op's launch, measured here
+    cpu_split: dict = field(default_factory=dict)
     probe_steps: int = 0
+    boundary: str = ""
     findings: list = field(default_factory=list)
+    minor: list = field(default_factory=list)
+    minor_notes: list = field(default_factory=list)
     verdict: str = ""
+    verdict_kind: str = ""             # "GPU-bound" | "CPU-bound" | "data-bound"
+    headroom: str = ""
+    headroom_ms: float = 0.0
+    speedups: list = field(default_factory=list)
+    settings: list = field(default_factory=list)
+    lines: list = field(default_factory=list)
+    samples: int = 0
     notes: list = field(default_factory=list)
     trace: str | None = None
 
@@ -51,32 +80,32 @@ class Diagnosis:
     def __str__(self) -> str:
         return self.report()
 
+    def _repr_html_(self) -> str:
+        return "<pre style='font-family:monospace'>" + html.escape(self.report()) + "</pre>"
+
     def finding(self, kind: str) -> Finding | None:
-        return next((f for f in self.findings if f.kind == kind), None)
+        return next((f for f in self.findings + self.minor if f.kind == kind), None)
 
-
-@contextlib.contextmanager
-def timed_dataloaders(monitor: StepMonitor):
-    """Time every DataLoader iterator's next() into `monitor` (for steps that fetch their own
-    batches). Restores DataLoader on exit."""
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-    original = _BaseDataLoaderIter.__next__
-
-    def timed_next(self):
-        t = perf_counter()
-        try:
-            return original(self)
-        finally:
-            monitor.add_data_wait(perf_counter() - t)
-            if not monitor.loader:
-                monitor.loader = loader_settings(self)
-
-    _BaseDataLoaderIter.__next__ = timed_next
-    try:
-        yield
-    finally:
-        _BaseDataLoaderIter.__next__ = original
-
+    def as_dict(self) -> dict:
+        """The numbers and findings as plain data (`python -m syncless doctor --json PATH`)."""
+        top = self.findings[0] if self.findings else None
+        return {
+            "verdict": self.verdict_kind, "verdict_text": self.verdict,
+            "headroom_ms": self.headroom_ms,
+            "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
+            "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
+            "sync_ms": self.sync_ms, "gpu_work_ms": self.gpu_work_ms,
+            "gpu_work_source": self.gpu_work_source, "gpu_span_ms": self.gpu_busy_ms,
+            "gpu_probe_ms": self.gpu_pure_ms, "gpu_trace_ms": self.gpu_trace_ms,
+            "sync_bubble_ms": self.sync_bubble_ms,
+            "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
+            "top_predicted_ms": top.predicted_ms if top else None,
+            "findings": [f.as_dict() for f in self.findings],
+            "minor": [f.as_dict() for f in self.minor], "settings": self.settings,
+            "lines": [{"where": line.where, "share": line.samples / self.samples, "via": line.via}
+                      for line in self.lines] if self.samples else [],
+            "notes": self.notes,
+        }
 
 def _cycle(loader: Iterable):
     while True:
@@ -155,63 +184,307 @@ def _probe_gpu(step: Callable[[], None], fetch: Callable[[], Any], host_ms: floa
     return probe.median_ms()
 
 
-def profiler(gpu: bool):
-    """A torch.profiler.profile of the CPU ops, and of the GPU kernels when `gpu`."""
+def profiler(gpu: bool, cpu: bool = True):
+    """A torch.profiler.profile of the CPU ops (`cpu`), and of the GPU kernels and CUDA calls
+    when `gpu` (CUDA alone adds little host time: no op is recorded on the CPU side)."""
     from torch.profiler import ProfilerActivity, profile
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+    return _Quiet(profile(activities=([ProfilerActivity.CPU] if cpu or not gpu else []) +
+                          ([ProfilerActivity.CUDA] if gpu else [])))
+
+
+class _Quiet:
+    """A torch.profiler.profile whose start does not warn "Profiler clears events at the end of
+    each cycle" (torch 2.11 says it for a second profile in a process; the doctor reads each
+    profile on its own)."""
+
+    def __init__(self, prof):
+        self.prof = prof
+
+    def __enter__(self):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            self.prof.__enter__()
+        return self.prof
+
+    def __exit__(self, *exc):
+        return self.prof.__exit__(*exc)
+
+    def export_chrome_trace(self, path: str) -> None:
+        self.prof.export_chrome_trace(path)
+
+
+def launch_cost_us() -> float:
+    """Host time of one small torch op on CUDA (dispatch + kernel launch), on an idle GPU: the
+    median of 5 rounds of 100 in-place adds."""
+    x = torch.zeros(1, device="cuda")
+    rounds = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = perf_counter()
+        for _ in range(100):
+            x.add_(1.0)
+        rounds.append((perf_counter() - t) * 1e4)
+    torch.cuda.synchronize()
+    return statistics.median(rounds[1:])
+
+
+GRAPH_GAP_US = 0.5
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+               "cudaMemcpy", "cudaFree", "cuStreamSynchronize", "cuCtxSynchronize",
+               "cuEventSynchronize")
+
+
+@dataclass
+class KernelTime:
+    """What a torch.profiler trace says per step: the GPU's busy time, and the GPU idle that
+    follows the host-device syncs (from a sync's return until the GPU has work again)."""
+    busy_ms: float
+    sync_bubble_ms: float | None       # None: the trace holds no CUDA runtime calls
+    syncs: float                       # sync calls per step in the trace
+
+
+def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
+    """Read a torch.profiler trace of `steps` steps. Busy: the union of kernel, memcpy and memset
+    intervals, counting gaps up to `gap_us` (the GPU's own time between back-to-back kernels) as
+    busy. A sync's bubble: the idle gap its return falls in, counted once per gap."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not spans or steps < 1:
+        return None
+    merged = [list(spans[0])]
+    for s, e in spans[1:]:
+        if s <= merged[-1][1] + gap_us:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    busy = sum(e - s for s, e in merged)
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and "dur" in e]
+    bubble = None
+    syncs = 0
+    if runtime:
+        bubble = 0.0
+        starts = [s for s, _ in merged]
+        counted = set()
+        for e in runtime:
+            if e.get("name") not in _SYNC_CALLS:
+                continue
+            t = float(e["ts"]) + float(e["dur"])
+            i = bisect.bisect_right(starts, t)          # the first busy interval after the return
+            if i == 0 or i == len(merged):
+                continue                                # before the steps, or the final drain
+            syncs += 1
+            if i in counted:
+                continue
+            if merged[i - 1][1] <= t + gap_us:          # the GPU was done when the wait ended
+                counted.add(i)
+                bubble += merged[i][0] - merged[i - 1][1]
+        bubble /= 1e3 * steps
+    return KernelTime(busy / 1e3 / steps, bubble, syncs / steps)
+
+
+def _autocast_on() -> bool:
+    try:
+        return torch.is_autocast_enabled("cuda")
+    except TypeError:                              # torch < 2.4
+        return torch.is_autocast_enabled()
+
+
+def _model_info(model: Any, autocast: bool | None) -> tuple[list, list, bool]:
+    """(settings read, GPU-side speedups not yet on, compiled) for the outermost module."""
+    if model is None:
+        return [], [], False
+    compiled = hasattr(model, "_orig_mod") or type(model).__name__ == "OptimizedModule"
+    try:
+        dtype = next(model.parameters()).dtype
+    except (StopIteration, AttributeError, RuntimeError):
+        dtype = None
+    name = type(getattr(model, "_orig_mod", model)).__name__
+    text = f"model {name}: {str(dtype).replace('torch.', '') if dtype else 'no'} parameters"
+    if autocast is not None:
+        text += f", autocast {'on' if autocast else 'off'}"
+    if compiled:
+        text += ", torch.compile'd"
+    speedups = []
+    if dtype == torch.float32 and not autocast:
+        speedups.append("bf16 autocast: with torch.autocast('cuda', dtype=torch.bfloat16) around "
+                        "the forward and the loss")
+        if torch.get_float32_matmul_precision() == "highest":
+            speedups.append("TF32 matmuls: torch.set_float32_matmul_precision('high')")
+    if not compiled:
+        speedups.append("torch.compile(model): fused kernels")
+    return [text], speedups, compiled
+
+
+def _optimizer_setting(opt: Any) -> str:
+    d = getattr(opt, "defaults", {})
+    keys = [f"{k}={d[k]}" for k in ("fused", "foreach", "capturable") if k in d]
+    return f"{type(opt).__name__}({', '.join(keys)})"
+
+
+def _loader_setting(s: dict) -> str:
+    keys = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+    return "DataLoader(" + ", ".join(f"{k}={s.get(k)}" for k in keys) + ")"
 
 
 def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, gpu: bool,
            gpu_span_ms: float | None = None, gpu_pure_ms: float | None = None,
-           probe_steps: int = 0, notes: Iterable[str] = ()) -> Diagnosis:
-    """The findings, ranked by what they cost per step, and the verdict, from the measurements:
-    the monitor's summary, the finished audit, the real step time, the GPU span per step the
-    monitor read and the queue-full GPU time the probe read (None: not probed). `notes` come
-    first in the report's notes."""
-    d = Diagnosis(summary, audit, warmup, step_ms, gpu, notes=list(notes))
+           probe_steps: int = 0, notes: Iterable[str] = (), *,
+           kernel_time: KernelTime | None = None, launch_us: float | None = None,
+           sampler: Any = None, boundary: str = "", optimizer_ms: float | None = None,
+           model: Any = None, autocast: bool | None = None) -> Diagnosis:
+    """The verdict, the headroom and the findings ranked by what their fix wins back, from the
+    measurements: the monitor's summary, the finished audit, the real step time, the GPU span per
+    step the monitor read, the probe's queue-full GPU time and the trace's kernel time (None: not
+    measured). `notes` come first in the report's notes."""
+    d = Diagnosis(summary, audit, warmup, step_ms, gpu, notes=list(notes), boundary=boundary)
     cupti = audit.backend == "cupti"
     d.sync_ms = audit.blocked_ms_per_step() if cupti else 0.0
     if cupti:
         d.kernels = audit.kernels / audit.step_count
-    if gpu:
-        span = gpu_span_ms or 0.0
-        d.gpu_busy_ms = span
-        if gpu_pure_ms is not None:
-            d.probe_steps = probe_steps
-            d.gpu_pure_ms = gpu_pure_ms
-            d.gpu_busy_ms = min(span, gpu_pure_ms) if span else gpu_pure_ms
+    d.launch_us = launch_us
+    d.gpu_busy_ms = gpu_span_ms or 0.0
+    d.probe_steps = probe_steps if gpu_pure_ms is not None else 0
+    gpu_trace_ms = kernel_time.busy_ms if kernel_time else None
+    d.gpu_pure_ms, d.gpu_trace_ms = gpu_pure_ms, gpu_trace_ms
+    d.sync_bubble_ms = kernel_time.sync_bubble_ms if kernel_time else None
+    step = step_ms
 
-    idle = max(0.0, 1.0 - d.gpu_busy_ms / step_ms) if gpu and step_ms > 0 else None
+    # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
+    # own gaps between them (as a CUDA graph replays them), but a sync inside the step empties
+    # the queue and the host's time after it counts too: with a sync every step the trace's
+    # kernel time is the one to trust. On a GPU busy through the whole step (the event span fills
+    # it, the probe within 20%) the span is the better figure: the probe, taken after an idle
+    # sleep, read up to 11% low on an H200 (clocks), which would promise gains that are not there.
+    syncs_matter = cupti and d.sync_ms >= 0.01 * step
+    per_step = sum(s.count for s in audit.sites.values()) / audit.step_count if cupti else 0.0
+    if gpu:
+        order = ((gpu_trace_ms, "kernel trace"), (gpu_pure_ms, "queue full"))
+        if not (syncs_matter and per_step >= 1):
+            order = order[::-1]
+        d.gpu_work_ms, d.gpu_work_source = next(((v, k) for v, k in order if v is not None),
+                                                (None, ""))
+        if d.gpu_work_ms is not None and gpu_span_ms and step > 0 and \
+                d.gpu_work_ms >= 0.8 * step and gpu_span_ms >= 0.9 * step and \
+                per_step < 1 and summary.data_ms < 0.05 * step and \
+                gpu_span_ms > d.gpu_work_ms:
+            d.gpu_work_ms, d.gpu_work_source = min(gpu_span_ms, step), "busy all step"
+    G = d.gpu_work_ms
+
+    # Where the body's CPU time goes: launches (kernels x the launch cost measured here), syncs,
+    # and the rest (Python, the framework, host-side data work).
+    body = summary.cpu_ms
+    if gpu and d.kernels is not None and launch_us:
+        launches = min(d.kernels * launch_us / 1e3, max(0.0, body - d.sync_ms))
+        d.cpu_split = {"launches_ms": launches, "syncs_ms": d.sync_ms,
+                       "rest_ms": max(0.0, body - d.sync_ms - launches)}
+    if sampler is not None and sampler.total:
+        d.samples, d.lines = sampler.total, sampler.top()
+
+    # Findings.
     findings = []
-    f = starvation_finding(summary.data_ms, step_ms, idle, summary.loader)
+    copy_ms = sum(s.blocked_ns / 1e6 / audit.step_count for s in audit.sites.values()
+                  if cupti and not s.site.chain and s.kinds & {2, 3, 1}
+                  and (".to(" in s.site.code or ".cuda(" in s.site.code))
+    f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
+                           data_cpu=summary.data_cpu)
     if f:
         findings.append(f)
-    findings += sync_findings(audit, step_ms)
-    enqueue_ms = max(0.0, summary.cpu_ms - d.sync_ms)
-    if gpu and d.gpu_pure_ms is not None:
-        f = launch_finding(enqueue_ms, d.gpu_pure_ms, d.kernels, step_ms, audit.optimizers)
-        if f:
-            findings.append(f)
-    d.findings = sorted(findings, key=lambda f: -f.cost_ms)
-    # GPU-bound: the GPU is busy nearly all the step, or, with nothing else found, its work
-    # outlasts the CPU's enqueue. (In a GPU-bound script on an H200 the probe's queue-full time,
-    # taken after an idle sleep, read 11% below the monitored step's wall while the CPU needed
-    # 6% of it: likely clocks that drop under sustained load.)
-    gpu_bound = idle is not None and (idle < 0.1 or (
-        not d.findings and d.gpu_pure_ms is not None and d.gpu_pure_ms >= enqueue_ms))
+    enqueue_ms = max(0.0, body - d.sync_ms)
+    findings += sync_findings(audit, step, G, d.sync_bubble_ms,
+                              kernel_time.syncs if kernel_time else 0.0,
+                              enqueue_ms + summary.data_ms)
+    optimizers = list(audit.optimizers)
+    model_settings, speedups, compiled = _model_info(model, autocast)
+    # A CUDA graph replays the kernels with less time between them than stream launches leave
+    # even with the queue full (the probe): on the H200, replays of 100-400 kernels ran 0.3-0.7 µs
+    # per kernel beyond their kernel time.
+    graph_ms = G
+    if gpu_trace_ms is not None and d.kernels:
+        graph_ms = min(G or math.inf, gpu_trace_ms + d.kernels * GRAPH_GAP_US / 1e3)
+    f = launch_finding(enqueue_ms, G, d.kernels, step, summary.data_ms, launch_us, optimizers,
+                       optimizer_ms, compiled, graph_ms) if gpu else None
+    if f:
+        findings.append(f)
+    for f in findings:
+        f.ordered()
+    findings.sort(key=lambda f: -f.cost_ms)
+    d.findings = [f for f in findings if not is_minor(f, step)]
+    d.minor = [f for f in findings if is_minor(f, step)]
 
-    if not gpu:
-        d.verdict = ("the loop runs on the CPU; data wait is the only stall measured "
-                     f"({summary.data_ms:.2f} ms of {step_ms:.2f} ms)")
-    elif gpu_bound:
-        d.verdict = (f"the GPU is busy {1 - idle:.0%} of the step (GPU-bound): speedups now "
-                     "come from the model itself (bf16 autocast, torch.compile, fused kernels)")
+    # Verdict and headroom.
+    top = d.findings[0] if d.findings else None
+    if gpu and G is not None:
+        idle = max(0.0, step - G)
+        d.headroom_ms = idle
+        d.headroom = (f"the step takes {step:.2f} ms and its GPU work {G:.2f} ms: at most "
+                      f"{idle:.2f} ms/step ({_share(idle, step)}) can be won back without making "
+                      "the GPU's work itself faster")
+        if G >= 0.9 * step:
+            d.verdict_kind = "GPU-bound"
+            d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; speedups now come "
+                         "from the model's own GPU work")
+            d.speedups = speedups
+        elif top is not None and top.kind == "starvation":
+            d.verdict_kind = "data-bound"
+            d.verdict = (f"data-bound: the step waits {summary.data_ms:.2f} ms for data while the "
+                         f"GPU idles {idle / step:.0%}")
+        else:
+            d.verdict_kind = "CPU-bound"
+            why = {"launch-bound": "kernel launches: the CPU enqueues slower than the GPU runs",
+                   "sync": "a sync leaves the GPU idle while the host works",
+                   "framework": "syncs in the framework leave the GPU idle while the host works"}
+            d.verdict = (f"CPU-bound ({why.get(top.kind, 'host work')}): the GPU idles "
+                         f"{idle / step:.0%} of the step" if top else
+                         f"CPU-bound: the GPU idles {idle / step:.0%} of the step; no single fix "
+                         "found (see where the host time goes)")
     else:
-        d.verdict = "no stall costs a significant share of the step"
-    if cupti and audit.sites and d.gpu_pure_ms is not None:
+        share = summary.data_ms / step if step else 0.0
+        d.verdict_kind = "data-bound" if top is not None and top.kind == "starvation" and \
+            share >= 0.1 else "CPU-bound"
+        d.verdict = (f"{d.verdict_kind}: the loop runs on the CPU; data wait "
+                     f"{summary.data_ms:.2f} ms of {step:.2f} ms")
+        d.headroom_ms = summary.data_ms
+
+    # What was read and not prescribed.
+    d.settings = [_optimizer_setting(o) for o in optimizers]
+    if not optimizers and boundary and "optimizer" not in boundary:
+        d.settings.append("no torch optimizer (parameters updated by hand, or inference)")
+    if summary.loader:
+        d.settings.append(_loader_setting(summary.loader))
+    d.settings += model_settings
+    if syncs_matter and gpu_pure_ms is not None and gpu_trace_ms is None:
         d.notes.append("the step syncs, so the queue-full GPU time includes waits; fix the "
                        "syncs first, then run the doctor again for the launch-bound verdict")
+    elif cupti and audit.sites and not syncs_matter and gpu_pure_ms is not None:
+        d.minor_notes.append(f"the step syncs, but the waits take {d.sync_ms:.3f} ms/step")
     return d
+
+
+def _share(ms: float, step: float) -> str:
+    return f"{ms / step:.0%}" if step > 0 else "-"
+
+def _kernel_phase(call: Callable[[Any], Any], fetch: Callable[[], Any], gpu: bool,
+                  trace: str | None, steps: int = 3) -> tuple[KernelTime | None, str | None]:
+    """Run `steps` steps under torch.profiler (last: it takes CUPTI over): the GPU's kernel time
+    per step (CUDA), and the trace written to `trace` if asked. Returns (ms or None, trace)."""
+    if not gpu and not trace:
+        return None, None
+    path = trace or os.path.join(tempfile.mkdtemp(prefix="syncless-doctor-"), "trace.json")
+    _sync(gpu)
+    with profiler(gpu, cpu=bool(trace)) as prof:
+        for _ in range(steps):
+            call(fetch())
+        _sync(gpu)
+    prof.export_chrome_trace(path)
+    ms = trace_gpu(path, steps) if gpu else None
+    if not trace:
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
+    return ms, trace
 
 
 def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable | None = None,
@@ -226,21 +499,31 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
     fetch = (lambda: next(source)) if source is not None else (lambda: None)
     call = (lambda b: train_step(b)) if loader is not None else (lambda b: train_step())
 
-    for _ in range(warmup):
-        call(fetch())
+    # Warm-up; its model calls also name the model (the first module called) and its autocast.
+    seen = Boundaries(lambda kind, restart: None)
+    seen.install()
+    try:
+        for _ in range(warmup):
+            call(fetch())
+    finally:
+        seen.remove()
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
 
-    # 1. monitor
+    # 1. monitor (with the stack sampler)
     mon = StepMonitor(loader=loader, gpu_every=1)
+    sampler = StackSampler()
     hook = timed_dataloaders(mon) if loader is None else contextlib.nullcontext()
     with hook:
         _sync(gpu)
+        sampler.start()
         t0 = perf_counter()
         for _ in range(steps):
             if source is not None:
-                t = perf_counter()
+                t, c = perf_counter(), thread_time()
                 batch = fetch()
-                mon.add_data_wait(perf_counter() - t)
+                wall = perf_counter() - t
+                mon.add_data_wait(wall)
+                mon.add_data_cpu(wall, thread_time() - c)
             else:
                 batch = None
             mon.begin()
@@ -248,6 +531,7 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
             mon.end()
         _sync(gpu)
         wall_ms = (perf_counter() - t0) * 1e3
+        sampler.stop()
     mon.close()
     summary = mon.summary()
     step_ms = wall_ms / steps
@@ -262,23 +546,20 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
 
     # 3. probe
     n_probe = 3
-    span = sum(mon.gpu_ms.values()) / steps if gpu and mon.gpu_ms else 0.0
+    span = sum(mon.gpu_ms.values()) / len(mon.gpu_ms) if gpu and mon.gpu_ms else 0.0
     pure = _probe_gpu(call, fetch, step_ms, n_probe) if gpu and probe else None
     notes = []
     if loader is None and not summary.loader and summary.data_ms == 0:
         notes.append("data wait not measured: train_step fetches no DataLoader batch; pass "
                      "loader= (train_step(batch) is then called per batch)")
-    d = assess(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes)
 
-    # 4. trace, last: torch.profiler takes CUPTI over
-    if trace:
-        with profiler(gpu) as prof:
-            for _ in range(3):
-                call(fetch())
-            _sync(gpu)
-        prof.export_chrome_trace(trace)
-        d.trace = trace
-
+    # 4. kernel time (and the trace), last: torch.profiler takes CUPTI over
+    kernel_ms, traced = _kernel_phase(call, fetch, gpu, trace)
+    d = assess(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes,
+               kernel_time=kernel_ms, launch_us=launch_cost_us() if gpu else None,
+               sampler=sampler, boundary="train_step() call", model=seen.model,
+               autocast=seen.autocast)
+    d.trace = traced
     if file is not None:
         print(d.report(), file=sys.stdout if file == "stdout" else file)
     return d

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -33,7 +32,11 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-__all__ = ["StepMonitor", "watch", "Watch", "MonitorSummary", "loader_settings"]
+from ._loader import loader_settings
+from .findings import is_minor, starvation_finding
+from .report import render_watch, watch_html
+
+__all__ = ["StepMonitor", "watch", "Watch", "MonitorSummary"]
 
 _MAX_PENDING = 64            # event pairs in flight; beyond that a step goes untimed, never waits
 GPU_BUDGET = 0.0025         # adaptive sampling keeps the event calls under 0.25% of step time
@@ -51,39 +54,18 @@ class MonitorSummary:
     idle: float | None           # estimated GPU idle fraction: 1 - GPU time / wall time
     data_p90_ms: float = 0.0
     loader: dict = field(default_factory=dict)
+    data_cpu: float | None = None    # CPU share of the training thread's data wait (None: untimed)
 
     @property
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
     def findings(self) -> list:
-        from .report import starvation_finding
-        f = starvation_finding(self.data_ms, self.step_ms, self.idle, self.loader)
-        return [f] if f else []
-
-
-def loader_settings(loader: Any) -> dict:
-    """The DataLoader settings the starvation advice depends on, from a DataLoader or one of its
-    iterators; {} for anything else."""
-    from torch.utils.data import DataLoader
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-    if isinstance(loader, DataLoader):
-        return {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
-                "persistent_workers": loader.persistent_workers,
-                "prefetch_factor": loader.prefetch_factor, "batch_size": loader.batch_size}
-    if isinstance(loader, _BaseDataLoaderIter):
-        return {"num_workers": loader._num_workers, "pin_memory": loader._pin_memory,
-                "persistent_workers": getattr(loader, "_persistent_workers", False),
-                "prefetch_factor": getattr(loader, "_prefetch_factor", None),
-                "batch_size": None}
-    return {}
-
-
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
+        a step can get no faster than its GPU work)."""
+        f = starvation_finding(self.data_ms, self.step_ms, self.gpu_ms, self.loader,
+                               cuda=self.gpu_ms is not None)
+        return [f] if f and not is_minor(f, self.step_ms) else []
 
 
 def sampling_interval(cost_s: float, wall_s: float) -> int:
@@ -121,6 +103,7 @@ class StepMonitor:
         self.gpu_ms: dict[int, float] = {}
         self.untimed = 0                      # steps meant to be GPU-timed that were not
         self._wait_before = 0.0               # waited for data before the open step
+        self._data_wall = self._data_cpu = 0.0
         self._wait_inside = 0.0               # waited for data inside the open step
         self._t0 = None                       # start of the open step
         self._pair = None
@@ -138,6 +121,12 @@ class StepMonitor:
         self._costs: collections.deque = collections.deque(maxlen=16)
 
     # ---- marks --------------------------------------------------------------------------------
+
+    def add_data_cpu(self, wall: float, cpu: float) -> None:
+        """Thread CPU time spent in `wall` seconds of data wait (the doctor's DataLoader timing):
+        tells a loader that computes from one that waits (for disk, network, a sleep)."""
+        self._data_wall += wall
+        self._data_cpu += cpu
 
     def add_data_wait(self, seconds: float) -> None:
         """Time blocked waiting for data: before a step (counted to it) or inside one."""
@@ -299,7 +288,8 @@ class StepMonitor:
         return MonitorSummary(
             steps=n, data_ms=statistics.fmean(data) * 1e3, cpu_ms=statistics.fmean(cpu) * 1e3,
             step_ms=statistics.fmean(walls) * 1e3, gpu_ms=gpu_ms, gpu_steps=len(gpu), idle=idle,
-            data_p90_ms=data_sorted[min(n - 1, int(0.9 * n))] * 1e3, loader=self.loader)
+            data_p90_ms=data_sorted[min(n - 1, int(0.9 * n))] * 1e3, loader=self.loader,
+            data_cpu=self._data_cpu / self._data_wall if self._data_wall > 0 else None)
 
 
 class Watch:
@@ -334,6 +324,18 @@ class Watch:
 
     def summary(self, skip: int = 0) -> MonitorSummary:
         return self.monitor.summary(skip)
+
+    def report(self) -> str:
+        """What the monitor measured so far and the loader fix it implies (no GPU wait)."""
+        return render_watch(self)
+
+    __str__ = report
+
+    def __repr__(self) -> str:
+        return self.report()
+
+    def _repr_html_(self) -> str:
+        return watch_html(self)
 
 
 def watch(iterable: Iterable, log: Any = None, **kw: Any) -> Watch:

@@ -1,125 +1,11 @@
-"""Findings (what costs time, and the change that removes it) and the text reports."""
+"""The text (and HTML) reports: the audit's table, the doctor's verdict-first report, watch()'s."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import html
 from typing import Any
 
-from .monitor import cpu_count
+__all__ = ["render_audit", "render_doctor", "render_watch", "watch_html"]
 
-__all__ = ["Finding", "starvation_finding", "launch_finding", "sync_findings", "render_audit",
-           "render_doctor"]
-
-STARVED_SHARE = 0.10       # data wait >= 10% of the step ...
-STARVED_IDLE = 0.10        # ... while the GPU idles >= 10% of it
-LAUNCH_MIN_KERNELS = 8
-LAUNCH_MIN_IDLE = 0.10     # launch-bound only if the step's GPU work leaves >= 10% of it idle
-SYNC_MIN_SHARE = 0.005     # a sync site costing < 0.5% of the step (and < 1 per step) is noise
-
-
-@dataclass
-class Finding:
-    kind: str                  # "starvation" | "sync" | "launch-bound"
-    title: str
-    cost_ms: float             # per step, what fixing it can save at most
-    detail: str
-    fixes: list = field(default_factory=list)
-    where: str = ""            # file:line for a sync
-
-
-def starvation_finding(data_ms: float, step_ms: float, idle: float | None,
-                       loader: dict) -> Finding | None:
-    if step_ms <= 0 or data_ms / step_ms < STARVED_SHARE or data_ms < 0.05:
-        return None
-    if idle is not None and idle < STARVED_IDLE:
-        return None            # the GPU stayed busy: waiting for data cost nothing
-    cost = data_ms if idle is None else min(data_ms, idle * step_ms)
-    return Finding("starvation", "DataLoader starvation", cost,
-                   f"the step waits {data_ms:.2f} ms for data ({data_ms / step_ms:.0%} of "
-                   f"{step_ms:.2f} ms)" + ("" if idle is None else f"; the GPU idles {idle:.0%}"),
-                   loader_fixes(loader))
-
-
-def loader_fixes(s: dict) -> list:
-    cpus = cpu_count()
-    if not s:
-        return ["the iterator itself is slow: wrap the dataset in a DataLoader with "
-                f"num_workers={max(1, min(8, cpus - 1))} (this machine has {cpus} CPUs), "
-                "pin_memory=True, persistent_workers=True"]
-    fixes = []
-    workers = s.get("num_workers") or 0
-    if workers == 0:
-        fixes.append(f"num_workers=0 loads every batch on the training thread: set num_workers="
-                     f"{max(1, min(8, cpus - 1))} (this machine has {cpus} CPUs) so batches "
-                     "are prepared in parallel while the GPU works")
-    elif workers < cpus - 1:
-        fixes.append(f"num_workers={workers} cannot keep up: raise it toward "
-                     f"{min(2 * workers, cpus - 1)} (this machine has {cpus} CPUs)")
-    else:
-        fixes.append(f"all {cpus} CPUs already run workers ({workers}): make each sample cheaper "
-                     "(decode/augment on the GPU, cache preprocessed data, smaller images)")
-    if workers > 0 and not s.get("persistent_workers"):
-        fixes.append("persistent_workers=True: workers are restarted every epoch otherwise")
-    if workers > 0 and (s.get("prefetch_factor") or 2) <= 2:
-        fixes.append("prefetch_factor=4 to absorb slow batches")
-    if not s.get("pin_memory") and _cuda():
-        fixes.append("pin_memory=True, then .to(device, non_blocking=True): the host-to-device "
-                     "copy overlaps compute instead of blocking the step")
-    return fixes
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def launch_finding(cpu_ms: float, gpu_ms: float | None, kernels: float | None, step_ms: float,
-                   optimizers: list = ()) -> Finding | None:
-    if gpu_ms is None or gpu_ms <= 0 or cpu_ms < gpu_ms:
-        return None
-    if step_ms > 0 and gpu_ms > (1 - LAUNCH_MIN_IDLE) * step_ms:
-        return None            # the GPU is busy: a host blocked by a full launch queue is not slow
-    if kernels is not None and kernels < LAUNCH_MIN_KERNELS:
-        return None
-    per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
-    count = f"{kernels:.0f} kernels per step" if kernels else "kernels"
-    cost = max(0.0, min(step_ms, cpu_ms) - gpu_ms)
-    fixes = ["capture the step in a CUDA graph: torch.compile(model, mode=\"reduce-overhead\"), "
-             "or torch.cuda.graphs / torch.cuda.make_graphed_callables for the whole step "
-             "(one launch replaces all of them)"]
-    for opt in optimizers:
-        d = getattr(opt, "defaults", {})
-        if "fused" in d and not d.get("fused"):
-            fixes.append(f"{type(opt).__name__}(..., fused=True): one kernel per step for the "
-                         "optimizer instead of several per parameter")
-            break
-    else:
-        fixes.append("use a fused or foreach optimizer (e.g. AdamW(fused=True))")
-    fixes.append("fuse small ops (torch.compile, fused layers such as "
-                 "F.scaled_dot_product_attention), or raise the batch size so each kernel "
-                 "does more work")
-    return Finding("launch-bound", "Launch-bound", cost,
-                   f"the CPU needs {cpu_ms:.2f} ms to enqueue a step whose GPU work takes "
-                   f"{gpu_ms:.2f} ms ({count}{per_kernel}): the GPU waits for launches", fixes)
-
-
-def sync_findings(audit: Any, step_ms: float | None) -> list:
-    out = []
-    steps = audit.step_count
-    for s in audit.ranked():
-        ms = s.blocked_ns / 1e6 / steps
-        per_step = s.count / steps
-        if step_ms and per_step < 1 and ms < SYNC_MIN_SHARE * step_ms:
-            continue
-        what = ", ".join(s.what)
-        blocked = f", blocking {ms:.3f} ms/step" if audit.backend == "cupti" else ""
-        via = f" (via {s.site.via})" if s.site.via else ""
-        out.append(Finding("sync", f"Sync at {s.where}", ms,
-                           f"`{s.site.code}`{via}: {what}, {per_step:g}×/step{blocked}",
-                           [s.fix()], s.where))
-    return out
-
-
-# ---- rendering ------------------------------------------------------------------------------
 
 def _table(rows: list, header: list) -> list:
     cells = [header] + [[str(c) for c in r] for r in rows]
@@ -148,7 +34,8 @@ def render_audit(audit: Any) -> str:
                      else "no host-device syncs possible")
     else:
         timed = audit.backend == "cupti"
-        rows = [[s.where, s.site.code[:48], " + ".join(s.what), s.count, f"{s.count / steps:g}",
+        rows = [[s.where + (f" via {s.site.via}" if s.site.via else ""), s.site.code[:48],
+                 " + ".join(s.what), s.count, f"{s.count / steps:g}",
                  f"{s.blocked_ns / 1e6 / steps:.3f}" if timed else "n/a"] for s in sites]
         lines += _table(rows, ["file:line", "code", "what synced", "count", "count/step",
                                "ms blocked/step"])
@@ -164,50 +51,134 @@ def render_audit(audit: Any) -> str:
     return "\n".join(lines)
 
 
+def _pct(ms: float, step: float) -> str:
+    return f"{ms / step:.0%}" if step > 0 else "-"
+
+
+def _fix_line(fix: Any) -> str:
+    ms = getattr(fix, "predicted_ms", None)
+    return f"   fix → {ms:.2f} ms/step: {fix}" if ms is not None else f"   fix: {fix}"
+
+
 def render_doctor(d: Any) -> str:
-    """The doctor's one report: the time budget, the findings ranked by cost, the changes."""
+    """The doctor's report: verdict and headroom, where the step goes, the findings ranked by the
+    time their fix wins back (each fix with the step time it predicts), the minor ones, the
+    settings read."""
     m = d.summary
+    step = d.step_ms
     ran = [f"+{d.warmup} warm-up"]
     if d.audit.elapsed_s:                  # 0 when the audit did not run (a script that ended)
         ran.append(f"{d.audit.step_count} audited")
     if d.probe_steps:
         ran.append(f"{d.probe_steps} probed")
-    lines = [f"syncless doctor: {m.steps} measured steps ({', '.join(ran)})", ""]
-    step = d.step_ms
+    lines = [f"syncless doctor: {m.steps} measured steps ({', '.join(ran)})"]
+    if d.boundary:
+        lines.append(f"a step ends at each {d.boundary}")
+    lines += ["", f"verdict: {d.verdict}"]
+    if d.headroom:
+        lines.append(f"headroom: {d.headroom}")
+    lines.append("")
     lines.append(f"where a step's {step:.2f} ms go" + (" (host wall, GPU drained at both ends)"
                                                        if d.gpu else " (CPU only)"))
-    sync_ms = d.sync_ms
-    rows = [["data wait", f"{m.data_ms:.3f}", f"{m.data_ms / step:.0%}" if step else "-"],
-            ["CPU (enqueue)" if d.gpu else "CPU (compute)", f"{max(0.0, m.cpu_ms - sync_ms):.3f}",
-             f"{max(0.0, m.cpu_ms - sync_ms) / step:.0%}" if step else "-"],
-            ["sync (blocked)", f"{sync_ms:.3f}" if d.audit.backend == "cupti" else "n/a",
-             f"{sync_ms / step:.0%}" if step and d.audit.backend == "cupti" else "-"]]
+    cupti = d.audit.backend == "cupti"
+    cpu = d.cpu_split
+    rows = [["data wait", f"{m.data_ms:.3f}", _pct(m.data_ms, step)],
+            ["CPU (step body)", f"{m.cpu_ms:.3f}", _pct(m.cpu_ms, step)]]
     if d.gpu:
-        busy = d.gpu_busy_ms
-        rows.append(["GPU busy", f"{busy:.3f}", f"{busy / step:.0%}" if step else "-"])
-        rows.append(["GPU idle", f"{max(0.0, step - busy):.3f}",
-                     f"{max(0.0, step - busy) / step:.0%}" if step else "-"])
-        if d.gpu_pure_ms is not None:
-            rows.append(["GPU work (queue full)", f"{d.gpu_pure_ms:.3f}",
-                         f"{d.gpu_pure_ms / step:.0%}" if step else "-"])
-    if d.kernels is not None:
+        if cpu.get("launches_ms") is not None:
+            rows.append([f"  kernel launches ({d.kernels:.0f} × {d.launch_us:.1f} µs)",
+                         f"{cpu['launches_ms']:.3f}", _pct(cpu["launches_ms"], step)])
+        rows.append(["  syncs (blocked)", f"{d.sync_ms:.3f}" if cupti else "n/a",
+                     _pct(d.sync_ms, step) if cupti else "-"])
+        if cpu.get("rest_ms") is not None:
+            rows.append(["  other host work", f"{cpu['rest_ms']:.3f}", _pct(cpu["rest_ms"], step)])
+        if d.gpu_work_ms is not None:
+            rows.append([f"GPU work ({d.gpu_work_source})", f"{d.gpu_work_ms:.3f}",
+                         _pct(d.gpu_work_ms, step)])
+            rows.append(["GPU idle", f"{max(0.0, step - d.gpu_work_ms):.3f}",
+                         _pct(max(0.0, step - d.gpu_work_ms), step)])
+        elif d.gpu_busy_ms:
+            rows.append(["GPU busy (event span)", f"{d.gpu_busy_ms:.3f}",
+                         _pct(d.gpu_busy_ms, step)])
+    if d.kernels is not None and "launches_ms" not in cpu:
         rows.append(["kernels / step", f"{d.kernels:.1f}", ""])
-    lines += ["  " + l for l in _table(rows, ["", "ms/step", "share"])]
+    lines += ["  " + line for line in _table(rows, ["", "ms/step", "share"])]
+    if d.lines:
+        lines.append("")
+        lines.append(f"host time by line (sampled, {d.samples} samples):")
+        for line in d.lines:
+            via = f" (in {line.via})" if line.via else ""
+            lines.append(f"  {line.samples / d.samples:4.0%}  {line.where}{via}  `{line.code}`")
     lines.append("")
     lines += _backend_lines(d.audit)
     lines.append("")
     if not d.findings:
-        lines.append("no findings: " + d.verdict)
+        lines.append("no findings" + (f": {d.verdict}" if d.verdict else ""))
     else:
-        lines.append("findings, by time they cost per step:")
+        lines.append("findings, by the time their fix wins back per step:")
         for i, f in enumerate(d.findings, 1):
-            lines.append(f"{i}. {f.title}: up to {f.cost_ms:.3f} ms/step")
-            lines.append(f"   {f.detail}")
-            for fix in f.fixes:
-                lines.append(f"   fix: {fix}")
+            lines.append(f"{i}. {f.title}: wins back {f.cost_ms:.3f} ms/step "
+                         f"({_pct(f.cost_ms, step)})")
+            for detail in f.detail.splitlines():
+                lines.append(f"   {detail}")
+            lines += [_fix_line(fix) for fix in f.fixes]
+    if d.speedups:
+        lines.append("")
+        lines.append("to make the GPU's own work faster (not predicted):")
+        lines += [f"  - {s}" for s in d.speedups]
+    if d.minor:
+        lines.append("")
+        lines.append("minor (each wins back < 1% of the step):")
+        for f in d.minor:
+            lines.append(f"  - {f.title}: {f.cost_ms:.3f} ms/step; {f.detail.splitlines()[0]}")
+        lines += [f"  - note: {n}" for n in d.minor_notes]
+    if d.settings:
+        lines.append("")
+        lines.append("settings read: " + "; ".join(d.settings))
     if d.notes:
         lines.append("")
         lines += [f"note: {n}" for n in d.notes]
     if d.trace:
         lines.append(f"trace: {d.trace} (open in https://ui.perfetto.dev)")
     return "\n".join(lines)
+
+
+def render_watch(w: Any) -> str:
+    """watch()'s report of what it measured so far (it never waits for the GPU to say it)."""
+    m = w.summary()
+    if m.steps == 0:
+        return "syncless.watch: no step measured yet"
+    lines = [f"syncless.watch: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)"]
+    rows = [["data wait", f"{m.data_ms:.3f}", _pct(m.data_ms, m.step_ms)],
+            ["CPU (step body)", f"{m.cpu_ms:.3f}", _pct(m.cpu_ms, m.step_ms)]]
+    if m.gpu_ms is not None:
+        rows.append([f"GPU span ({m.gpu_steps} steps timed)", f"{m.gpu_ms:.3f}",
+                     _pct(m.gpu_ms, m.step_ms)])
+    lines += ["  " + line for line in _table(rows, ["", "ms/step", "share"])]
+    findings = m.findings()
+    if findings:
+        for f in findings:
+            lines.append(f"{f.title}: wins back {f.cost_ms:.3f} ms/step; {f.detail}")
+            lines += [_fix_line(fix).strip() for fix in f.fixes]
+    elif m.gpu_ms is not None and m.gpu_ms >= 0.9 * m.step_ms:
+        lines.append("the GPU is busy through the step (GPU-bound): no loop-side fix wins time")
+    else:
+        lines.append("no data starvation; for syncs and launch overhead run syncless.doctor()")
+    return "\n".join(lines)
+
+
+def watch_html(w: Any) -> str:
+    """watch()'s report for a notebook: the time table as an HTML table, the advice below it."""
+    m = w.summary()
+    if m.steps == 0:
+        return "<p><b>syncless.watch</b>: no step measured yet</p>"
+    rows = [("data wait", m.data_ms), ("CPU (step body)", m.cpu_ms)]
+    if m.gpu_ms is not None:
+        rows.append((f"GPU span ({m.gpu_steps} steps timed)", m.gpu_ms))
+    cells = "".join(f"<tr><td>{html.escape(name)}</td><td style='text-align:right'>{ms:.3f}</td>"
+                    f"<td style='text-align:right'>{_pct(ms, m.step_ms)}</td></tr>"
+                    for name, ms in rows)
+    advice = render_watch(w).splitlines()[len(rows) + 3:]
+    return (f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)</p>"
+            f"<table><tr><th></th><th>ms/step</th><th>share</th></tr>{cells}</table>"
+            + "".join(f"<p>{html.escape(line)}</p>" for line in advice))

@@ -1,0 +1,29 @@
+"""The corpus scripts' own step clock: wall time per step over the steps after a warm-up, with the
+GPU drained at both ends (what the scripts print as `step_ms=`, for doctor_corpus.py)."""
+import time
+
+import torch
+
+
+class StepClock:
+    def __init__(self, device: str, warmup: int = 5):
+        self.cuda = str(device).startswith("cuda")
+        self.warmup = warmup
+        self.n = 0
+        self.t0 = None
+
+    def tick(self) -> None:
+        """Call once at the end of every step."""
+        self.n += 1
+        if self.n == self.warmup:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+    def report(self) -> None:
+        if self.t0 is None or self.n <= self.warmup:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - self.t0) * 1e3 / (self.n - self.warmup)
+        print(f"step_ms={ms:.4f} steps={self.n - self.warmup}", flush=True)

@@ -1,0 +1,66 @@
+"""Causal-LM training with the Hugging Face Trainer: a GPT-2 built from a config (no download), a
+dataset of token blocks. The fixed twin of hf_trainer.py: the two settings the doctor names,
+logging_nan_inf_filter=False and a non-blocking batch copy (accelerator_config non_blocking, with
+the default pinned loader memory), so the Trainer makes no sync per step."""
+import argparse
+import tempfile
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, TrainerCallback
+
+from _timing import StepClock
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    def __init__(self, n, block, vocab):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, block), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Clock(TrainerCallback):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.clock.tick()
+
+
+def training_args(out, cpu, steps):
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=4 if cpu else 16,
+                             max_steps=steps, learning_rate=3e-4, report_to="none",
+                             save_strategy="no", disable_tqdm=True, use_cpu=cpu,
+                             logging_nan_inf_filter=False,
+                             accelerator_config={"non_blocking": True})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=1000)
+    args = p.parse_args()
+    cpu = args.device == "cpu"
+    torch.manual_seed(0)
+    if cpu:
+        config = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                            bos_token_id=0, eos_token_id=0)
+    else:
+        config = GPT2Config(vocab_size=4096, n_positions=256, n_embd=512, n_layer=6, n_head=8,
+                            bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    data = TokenBlocks(4096, config.n_positions, config.vocab_size)
+    clock = StepClock(args.device)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(model=model, args=training_args(out, cpu, args.steps),
+                          train_dataset=data, callbacks=[Clock(clock)])
+        trainer.train()
+    clock.report()
+
+
+if __name__ == "__main__":
+    main()

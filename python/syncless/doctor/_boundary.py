@@ -1,0 +1,209 @@
+"""Where a step ends, in a script the doctor did not write.
+
+Detectors, strongest first: the user's marker (`syncless.step()`), a source line
+(`--step-at FILE:LINE`), `optimizer.step()`, `backward()`, a DataLoader's `next()`, and the end of
+the outermost nn.Module call (inference). All listen from the start; the strongest kind seen so far
+is the boundary, and a stronger one appearing (the first optimizer.step() comes after the first
+backward()) restarts the count. Calls recorded into a CUDA graph are not boundaries: they do not
+run now. Only one detector set is live at a time (the marker reaches it through a global)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["KINDS", "Boundaries", "step", "parse_step_at"]
+
+# The boundary kinds, strongest first, as the report names them.
+MARKER, STEP_AT, OPTIMIZER, BACKWARD, LOADER, MODULE = KINDS = (
+    "syncless.step()", "--step-at", "optimizer.step()", "backward()", "DataLoader next()",
+    "the outermost nn.Module call")
+
+_active: "Boundaries | None" = None
+
+
+def step() -> None:
+    """Mark the end of a training (or inference) step for `python -m syncless doctor`, in loops
+    without optimizer.step() or with more than one per step. Free when no doctor runs."""
+    if _active is not None:
+        _active.fire(MARKER)
+
+
+def parse_step_at(text: str) -> tuple[str, int]:
+    """FILE:LINE -> (absolute path, line); ValueError naming what is wrong."""
+    path, sep, line = text.rpartition(":")
+    if not sep or not path or not line.isdigit() or int(line) < 1:
+        raise ValueError(f"expected FILE:LINE with a line number >= 1, got {text!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"file not found: {path}")
+    return os.path.abspath(path), int(line)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class Boundaries:
+    """Calls `on_boundary(kind, restart)` at every step boundary of the strongest kind seen;
+    restart=True when that kind just became the strongest."""
+
+    def __init__(self, on_boundary: Callable[[str, bool], None],
+                 step_at: tuple[str, int] | None = None):
+        self.on_boundary = on_boundary
+        self.step_at = step_at
+        self.kind: str | None = None
+        self.seen = dict.fromkeys(KINDS, 0)
+        self.optimizer = None                  # the first optimizer stepped: one per step
+        self.model = None                      # the first module called from outside any other
+        self.autocast: bool | None = None      # was autocast on in any call of the model
+        self._handles: list = []
+        self._backward = None
+        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
+        self._saved_trace = None
+
+    # ---- the decision ---------------------------------------------------------------------------
+
+    def fire(self, kind: str) -> None:
+        if _capturing():
+            return
+        self.seen[kind] += 1
+        if self.kind is None or KINDS.index(kind) < KINDS.index(self.kind):
+            self.kind = kind
+            self.on_boundary(kind, True)
+        elif kind == self.kind:
+            self.on_boundary(kind, False)
+
+    def loader_next(self) -> None:
+        self.fire(LOADER)
+
+    # ---- detectors ------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        global _active
+        _active = self
+        handle = register_optimizer_step_post_hook(self._on_optimizer)
+        handle._doctor_optimizer = True
+        self._handles.append(handle)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_first_module)
+        handle._doctor_global = True
+        self._handles.append(handle)
+        original = self._backward = torch.autograd.backward
+
+        def backward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.fire(BACKWARD)
+            return out
+
+        torch.autograd.backward = backward
+        if self.step_at is not None:
+            self._watch_line(*self.step_at)
+
+    def remove(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._backward is not None:
+            torch.autograd.backward = self._backward
+            self._backward = None
+        if self._tool is not None:
+            mon, tool = sys.monitoring, self._tool
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.PY_START, None)
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+            mon.restart_events()            # locations this tool DISABLEd are live again
+            self._tool = None
+        if self._saved_trace is not None:
+            sys.settrace(self._saved_trace[0])
+            self._saved_trace = None
+
+    def reinstall_optimizer_hook(self) -> None:
+        """Move the optimizer hook behind hooks registered since (see ScriptSession)."""
+        for i, h in enumerate(self._handles):
+            if getattr(h, "_doctor_optimizer", False):
+                h.remove()
+                break
+        else:
+            i = None
+        handle = register_optimizer_step_post_hook(self._on_optimizer)
+        handle._doctor_optimizer = True
+        if i is None:
+            self._handles.append(handle)
+        else:
+            self._handles[i] = handle
+
+    def _on_optimizer(self, optimizer, args, kwargs) -> None:
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        if optimizer is self.optimizer:
+            self.fire(OPTIMIZER)
+
+    def _on_first_module(self, module, args) -> None:
+        # The first module called is the outermost one (nothing else runs yet). The global hook
+        # puts every module call on torch's slow path, so it goes at once; one hook on the model
+        # stays (a forward hook: the call's end is the boundary).
+        if self.model is not None or _capturing():
+            return
+        self.model = module
+        for h in self._handles[:]:
+            if getattr(h, "_doctor_global", False):
+                h.remove()
+                self._handles.remove(h)
+        self._handles.append(module.register_forward_hook(lambda m, a, o: self.fire(MODULE)))
+        self._handles.append(module.register_forward_pre_hook(self._on_model_call))
+        self._on_model_call(module, args)
+
+    def _on_model_call(self, module, args) -> None:
+        if not self.autocast:
+            try:
+                self.autocast = torch.is_autocast_enabled("cuda")
+            except TypeError:                            # torch < 2.4
+                self.autocast = torch.is_autocast_enabled()
+
+    # ---- --step-at FILE:LINE --------------------------------------------------------------------
+
+    def _watch_line(self, path: str, line: int) -> None:
+        same = (lambda f: f == path or (not os.path.isabs(f) and os.path.abspath(f) == path))
+        if sys.version_info >= (3, 12):
+            mon = sys.monitoring
+            tool = next((t for t in (mon.PROFILER_ID, 3, 4, mon.DEBUGGER_ID)
+                         if mon.get_tool(t) is None), None)
+            if tool is None:
+                raise RuntimeError("--step-at: every sys.monitoring tool id is taken")
+            mon.use_tool_id(tool, "syncless doctor")
+            self._tool = tool
+
+            def started(code, offset):
+                # Code of other files is never looked at again (DISABLE is per code location).
+                if not same(code.co_filename):
+                    return mon.DISABLE
+                mon.set_local_events(tool, code, mon.events.LINE)
+                return None
+
+            def at_line(code, n):
+                if n != line:
+                    return mon.DISABLE
+                self.fire(STEP_AT)
+                return None
+
+            mon.register_callback(tool, mon.events.PY_START, started)
+            mon.register_callback(tool, mon.events.LINE, at_line)
+            mon.set_events(tool, mon.events.PY_START)
+            return
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == line:
+                self.fire(STEP_AT)
+            return local
+
+        def call(frame, event, arg):
+            return local if same(frame.f_code.co_filename) else None
+
+        self._saved_trace = (sys.gettrace(),)
+        sys.settrace(call)

@@ -1,0 +1,88 @@
+"""Syncs made inside the frameworks people train with, and the setting that removes each.
+
+A sync whose stack runs through library code cannot be moved by the user: the fix is the
+framework's own switch. Each rule looks at the library frames between the user's entry line
+(`trainer.train()`, `trainer.fit(...)`) and the CUDA call, innermost first, with a few source lines
+above each frame (a condition split over lines names its setting on the line before)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._frames import Frame
+
+__all__ = ["FrameworkFix", "framework_fix"]
+
+
+class FrameworkFix(NamedTuple):
+    framework: str         # "transformers" | "lightning" | "torchmetrics" | "accelerate"
+    frame: Frame           # the library line the rule matched
+    fix: str
+
+
+def _package(frame: Frame) -> str:
+    path = frame.file.replace("\\", "/")
+    for name in ("transformers", "accelerate", "torchmetrics", "pytorch_lightning",
+                 "lightning_fabric", "lightning"):
+        if f"/{name}/" in path:
+            return "lightning" if name.startswith(("pytorch_lightning", "lightning")) else name
+    return ""
+
+
+def _hf(frame: Frame, text: str) -> str | None:
+    if "logging_nan_inf_filter" in text:
+        return ("TrainingArguments(logging_nan_inf_filter=False): the Trainer checks every step's "
+                "loss for NaN/Inf with a host read (a sync per step); or log through syncless.hf, "
+                "which keeps the loss on the GPU")
+    if "num_input_tokens_seen" in text or frame.function == "_track_num_input_tokens":
+        return ("TrainingArguments(include_num_input_tokens_seen='no'): counting the tokens seen "
+                "reads a GPU sum on the host every step")
+    return None
+
+
+def _accelerate(frame: Frame, text: str) -> str | None:
+    if frame.function in ("send_to_device", "_send_to_device") or "send_to_device" in text:
+        return ("the batch is copied to the GPU with non_blocking=False (torch syncs after such a "
+                "copy): TrainingArguments(accelerator_config={'non_blocking': True}) with "
+                "dataloader_pin_memory=True (accelerate: DataLoaderConfiguration(non_blocking="
+                "True))")
+    return None
+
+
+def _lightning(frames: tuple, frame: Frame, text: str) -> str | None:
+    if any("/progress/" in f.file.replace("\\", "/") or "progress_bar" in f.function
+           for f in frames):
+        return ("self.log(..., prog_bar=True) reads each such metric with .item() every batch "
+                "for the progress bar: log it with prog_bar=False (or "
+                "Trainer(enable_progress_bar=False)), or use the syncless.lightning integration")
+    if "to_tensor" in frame.function or "torch.tensor(value" in text:
+        return ("self.log(name, <Python float>) copies the number to the GPU at every call (a "
+                "blocking host-to-device copy): log a tensor that is already on the device, or "
+                "log the value less often (on_step=False)")
+    return None
+
+
+def _torchmetrics(frame: Frame, text: str) -> str | None:
+    if "nan" in text.lower() or "nan" in frame.function:
+        return ("the metric checks every update for NaN with a host read: construct it with "
+                "nan_strategy='disable' (no check) when the inputs cannot hold NaN")
+    return None
+
+
+def framework_fix(chain: tuple) -> FrameworkFix | None:
+    """The framework setting behind a sync whose library frames (innermost first) are `chain`."""
+    for frame in chain:
+        pkg = _package(frame)
+        if not pkg:
+            continue
+        text = frame.code(before=3)
+        if pkg == "transformers":
+            fix = _hf(frame, text)
+        elif pkg == "accelerate":
+            fix = _accelerate(frame, text)
+        elif pkg == "lightning":
+            fix = _lightning(chain, frame, text)
+        else:
+            fix = _torchmetrics(frame, text)
+        if fix:
+            return FrameworkFix(pkg, frame, fix)
+    return None

@@ -1,0 +1,104 @@
+"""The DataLoader side: its settings, the time its iterators block the training thread, and how
+many workers it needs (from the per-worker batch time measured against the step it must feed)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from time import perf_counter, thread_time
+from typing import Any, Callable
+
+__all__ = ["cpu_count", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
+
+HEADROOM = 1.1      # workers for 10% more throughput than the step needs: batch times jitter
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def loader_settings(loader: Any) -> dict:
+    """The DataLoader settings the starvation advice depends on, from a DataLoader or one of its
+    iterators; {} for anything else."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    if isinstance(loader, DataLoader):
+        return {"num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+                "persistent_workers": loader.persistent_workers,
+                "prefetch_factor": loader.prefetch_factor, "batch_size": loader.batch_size}
+    if isinstance(loader, _BaseDataLoaderIter):
+        return {"num_workers": loader._num_workers, "pin_memory": loader._pin_memory,
+                "persistent_workers": getattr(loader, "_persistent_workers", False),
+                "prefetch_factor": getattr(loader, "_prefetch_factor", None),
+                "batch_size": None}
+    return {}
+
+
+@contextlib.contextmanager
+def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
+    """Time every DataLoader iterator's next() into `monitor.add_data_wait` (for steps that fetch
+    their own batches); `on_next()` runs before each next() (a step boundary). Restores
+    DataLoader on exit."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    original = _BaseDataLoaderIter.__next__
+
+    def timed_next(self):
+        if on_next is not None:
+            on_next()
+        t, c = perf_counter(), thread_time()
+        try:
+            return original(self)
+        finally:
+            wall = perf_counter() - t
+            monitor.add_data_wait(wall)
+            if self._num_workers == 0 and hasattr(monitor, "add_data_cpu"):
+                monitor.add_data_cpu(wall, thread_time() - c)
+            if not monitor.loader:
+                monitor.loader = loader_settings(self)
+
+    _BaseDataLoaderIter.__next__ = timed_next
+    try:
+        yield
+    finally:
+        _BaseDataLoaderIter.__next__ = original
+
+
+class WorkerPlan:
+    """How many loader workers a step needs.
+
+    per_batch_ms: one worker's time to make a batch. With W workers and a starved step, the
+    loader delivers W batches per W·step, so a worker needs W·step (the step waits for them);
+    with W = 0 the training thread makes the batch itself, in the measured data wait.
+    target_ms: the step time without waiting (the step minus its data wait, at least the GPU's
+    work), which the loader must keep up with."""
+
+    def __init__(self, workers: int, per_batch_ms: float, target_ms: float, cpus: int,
+                 computes: bool = True):
+        self.workers = workers
+        self.per_batch_ms = per_batch_ms
+        self.target_ms = target_ms
+        self.cpus = cpus
+        self.computes = computes                  # False: loading mostly waits (I/O)
+        self.needed = max(1, math.ceil(HEADROOM * per_batch_ms / max(target_ms, 1e-6)))
+        # A worker that computes needs a CPU, and one CPU stays with the training process; one
+        # that waits does not (up to 64 workers, where their memory starts to matter).
+        self.most = max(1, cpus - 1) if computes else max(64, cpus - 1)
+        self.enough = self.needed <= self.most
+
+    def step_ms(self, workers: int) -> float:
+        """The step time with `workers` workers: the slower of the loader and the rest."""
+        return max(self.target_ms, self.per_batch_ms / max(workers, 1))
+
+
+def plan_workers(settings: dict, data_ms: float, step_ms: float, target_ms: float,
+                 cpus: int | None = None, data_cpu: float | None = None) -> WorkerPlan:
+    """`data_cpu`: the CPU share of the loading measured on the training thread (num_workers=0);
+    under 0.5 the loading mostly waits, and workers need no CPU each."""
+    workers = settings.get("num_workers") or 0
+    per_batch = data_ms if workers == 0 else workers * step_ms
+    computes = data_cpu is None or workers > 0 or data_cpu >= 0.5
+    return WorkerPlan(workers, per_batch, target_ms, cpus or cpu_count(), computes)

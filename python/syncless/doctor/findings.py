@@ -1,0 +1,235 @@
+"""What costs a step time, and what its fix wins back.
+
+The model: a step of S ms whose GPU work takes G ms can get no faster than G. A fix that takes x ms
+of the CPU's (or the loader's) time out of the step leaves max(S - x, G): a sync blocks the host for
+b ms, but removing it only wins the GPU idle that the wait caused, so in a GPU-bound step it wins
+nothing. Every fix carries the step time it predicts; a finding is ranked by what its best fix wins
+back, and one that wins less than 1% of the step is minor."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._frameworks import framework_fix
+from ._loader import plan_workers
+from .audit import ASYNC_COPY
+
+__all__ = ["Fix", "Finding", "after", "starvation_finding", "sync_findings", "launch_finding",
+           "MINOR_SHARE"]
+
+MINOR_SHARE = 0.01         # a finding winning back < 1% of the step is minor
+LAUNCH_MIN_KERNELS = 8
+
+
+class Fix(str):
+    """The text of a change, with the step time it predicts (None: not predicted)."""
+
+    def __new__(cls, text: str, predicted_ms: float | None = None, tag: str = ""):
+        self = super().__new__(cls, text)
+        self.predicted_ms = predicted_ms
+        self.tag = tag
+        return self
+
+
+@dataclass
+class Finding:
+    kind: str                  # "starvation" | "sync" | "framework" | "launch-bound"
+    title: str
+    cost_ms: float             # what the best fix wins back per step
+    detail: str
+    fixes: list = field(default_factory=list)
+    where: str = ""            # file:line of a sync
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def predicted_ms(self) -> float | None:
+        known = [f.predicted_ms for f in self.fixes if getattr(f, "predicted_ms", None) is not None]
+        return min(known) if known else None
+
+    def ordered(self) -> None:
+        """Predicted fixes first, the fastest predicted step first; the rest keep their order."""
+        self.fixes.sort(key=lambda f: (getattr(f, "predicted_ms", None) is None,
+                                       getattr(f, "predicted_ms", None) or 0.0))
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "title": self.title, "wins_ms": self.cost_ms,
+                "predicted_ms": self.predicted_ms, "detail": self.detail, "where": self.where,
+                "fixes": [{"text": str(f), "predicted_ms": getattr(f, "predicted_ms", None),
+                           "tag": getattr(f, "tag", "")} for f in self.fixes], **self.extra}
+
+
+def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
+    """The step time once `removed_ms` of host-side time leaves a step of `step_ms` whose GPU work
+    takes `gpu_ms` (None: no GPU, nothing else bounds it)."""
+    return max(step_ms - removed_ms, gpu_ms or 0.0, 0.0)
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
+                       *, cuda: bool = False, copy_ms: float = 0.0,
+                       cpus: int | None = None, data_cpu: float | None = None) -> Finding | None:
+    """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
+    pageable copy (removed by pin_memory + non_blocking, which the fix includes)."""
+    if step_ms <= 0 or data_ms < 0.05:
+        return None
+    pin = cuda and bool(loader) and not loader.get("pin_memory")
+    removed = data_ms + (copy_ms if pin else 0.0)
+    target = after(step_ms, removed, gpu_ms)
+    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
+    fixes = []
+    workers = plan.workers
+    per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
+    if not plan.computes:
+        per += f" (mostly waiting: {data_cpu:.0%} of it on a CPU, so workers need no CPU each)"
+    need = f"the step needs one every {target:.2f} ms"
+    if plan.enough:
+        what = (f"num_workers={plan.needed}" if loader else
+                f"wrap the dataset in a DataLoader with num_workers={plan.needed}")
+        now = (f"num_workers={workers} cannot keep up" if loader else
+               "the iterator makes each batch on the training thread")
+        fixes.append(Fix(f"{now}: {what} (at least {plan.needed}: {per} and {need}; this machine "
+                         f"has {plan.cpus} CPUs)", target, "workers"))
+    else:
+        best = plan.step_ms(plan.most)
+        fixes.append(Fix(
+            f"no worker count is enough (num_workers={workers} now): {per}, so even {plan.most} "
+            f"worker{'s' if plan.most > 1 else ''} (this machine has {plan.cpus} CPUs) deliver "
+            f"one every {plan.per_batch_ms / plan.most:.2f} ms while {need}. Make batches "
+            "cheaper: decode at a lower resolution or with a faster decoder, augment on the GPU "
+            "(on the batch after .to(device)), or store preprocessed samples (uint8 tensors, a "
+            "memory-mapped array) so that workers only read",
+            best if plan.most > workers else None, "workers"))
+    if pin:
+        fixes.append(Fix("pin_memory=True, then .to(device, non_blocking=True): the host-to-device "
+                         "copy no longer blocks the step (counted in the prediction above)"))
+    if loader and not loader.get("persistent_workers") and max(workers, plan.needed) > 0:
+        fixes.append(Fix("persistent_workers=True: otherwise the workers restart (and stall the "
+                         "loop) at every epoch"))
+    share = data_ms / step_ms
+    f = Finding("starvation", "DataLoader starvation", step_ms - min(fixes[0].predicted_ms or
+                                                                     step_ms, step_ms),
+                f"the step waits {data_ms:.2f} ms for data ({share:.0%} of {step_ms:.2f} ms)",
+                fixes, extra={"workers_needed": plan.needed if plan.enough else None,
+                              "per_worker_batch_ms": plan.per_batch_ms})
+    return f
+
+
+# ---- syncs -----------------------------------------------------------------------------------
+
+def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
+                  bubble_ms: float | None = None, trace_syncs: float = 0.0,
+                  floor_ms: float = 0.0) -> list:
+    """One finding per sync line of user code; syncs made inside a framework are grouped into one
+    finding per framework, naming the settings that remove them.
+
+    What removing syncs wins: the GPU idle they cause. `bubble_ms` is that idle per step as the
+    kernel trace measured it (from each sync's return until the GPU has work again), shared among
+    the findings by how often each syncs; without it, the time the syncs block (`blocked_ns`),
+    bounded by the GPU work. Either way the step stays at least `floor_ms` (the CPU's own work) and
+    the GPU work."""
+    out = []
+    steps = audit.step_count
+    timed = audit.backend == "cupti"
+    frameworks: dict[str, list] = {}
+    total_count = sum(s.count for s in audit.sites.values()) / steps or 1.0
+    idle = max(0.0, step_ms - (gpu_ms or 0.0))
+
+    def removed(blocked: float, per_step: float) -> float:
+        if bubble_ms is None:
+            return blocked
+        if trace_syncs > 0:
+            return bubble_ms * per_step / total_count
+        return min(blocked, per_step * idle)    # rarer than once per traced step
+
+    def predict(blocked: float, per_step: float) -> float | None:
+        if not timed:
+            return None
+        return max(after(step_ms, removed(blocked, per_step), gpu_ms), floor_ms)
+
+    for s in audit.ranked():
+        ms = s.blocked_ns / 1e6 / steps if timed else 0.0
+        per_step = s.count / steps
+        if s.kinds == {ASYNC_COPY} and per_step < 1:
+            # An "async" copy that blocked now and then, not every step: the launch queue was
+            # full (the GPU's pace), not a pageable copy.
+            continue
+        fw = framework_fix(s.site.chain) if s.site.chain else None
+        if fw is not None:
+            frameworks.setdefault(fw.framework, []).append((s, fw, ms, per_step))
+            continue
+        what = ", ".join(s.what)
+        blocked = f", blocking {ms:.3f} ms/step" if timed else ""
+        via = f" (via {s.site.via})" if s.site.via else ""
+        predicted = predict(ms, per_step)
+        fix = Fix(s.fix() if not s.site.chain else
+                  f"the sync is made inside library code ({s.site.via} `"
+                  f"{s.site.chain[0].code()}`), entered from your line: the fix is a setting of "
+                  "that library, or a change there", predicted, "sync")
+        out.append(Finding("sync", f"Sync at {s.where}", step_ms - (predicted or step_ms),
+                           f"`{s.site.code}`{via}: {what}, {per_step:g}×/step{blocked}",
+                           [fix], s.where, {"blocked_ms": ms, "per_step": per_step}))
+    for name, sites in frameworks.items():
+        total = sum(ms for _, _, ms, _ in sites)
+        predicted = predict(total, sum(p for _, _, _, p in sites))
+        lines, fixes = [], []
+        for s, fw, ms, per_step in sites:
+            blocked = f", {ms:.3f} ms blocked" if timed else ""
+            lines.append(f"{fw.frame.where} (entered at {s.where} `{s.site.code}`): "
+                         f"{' + '.join(s.what)}, {per_step:g}×/step{blocked}")
+            if fw.fix not in fixes:
+                fixes.append(fw.fix)
+        count = sum(p for _, _, _, p in sites)
+        fix_objs = [Fix(f, predicted if i == 0 else None, "setting") for i, f in enumerate(fixes)]
+        if len(fixes) > 1:
+            fix_objs[0] = Fix(fixes[0] + " (the prediction is for all of these settings)",
+                              predicted, "setting")
+        out.append(Finding("framework", f"{name} syncs {count:g}×/step", step_ms -
+                           (predicted or step_ms), "\n".join(lines), fix_objs, sites[0][0].where,
+                           {"blocked_ms": total, "per_step": count, "framework": name}))
+    return out
+
+
+# ---- launches --------------------------------------------------------------------------------
+
+def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | None,
+                   step_ms: float, data_ms: float = 0.0, launch_us: float | None = None,
+                   optimizers: list = (), optimizer_ms: float | None = None,
+                   compiled: bool = False, graph_ms: float | None = None) -> Finding | None:
+    """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it."""
+    if gpu_ms is None or gpu_ms <= 0 or enqueue_ms <= gpu_ms or step_ms <= 0:
+        return None
+    if gpu_ms >= 0.9 * step_ms:
+        return None            # the GPU is busy: a host blocked by a full launch queue is not slow
+    if kernels is not None and kernels < LAUNCH_MIN_KERNELS:
+        return None
+    per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
+    count = f"{kernels:.0f} kernels per step" if kernels else "kernels"
+    graph = after(step_ms, step_ms, max(graph_ms or gpu_ms, data_ms))
+    fixes = [Fix("capture the step in a CUDA graph, which replaces every launch with one: "
+                 "torch.compile(model, mode=\"reduce-overhead\"), or torch.cuda.graph / "
+                 "torch.cuda.make_graphed_callables around the whole step (static inputs, "
+                 "capturable=True for the optimizer)", graph, "cuda-graph")]
+    for opt in optimizers:
+        d = getattr(opt, "defaults", {})
+        if "fused" in d and not d.get("fused") and d.get("foreach") is False:
+            saved = 0.8 * optimizer_ms if optimizer_ms else None
+            fixes.append(Fix(f"{type(opt).__name__}(..., fused=True): one kernel per step for the "
+                             "optimizer instead of several per parameter (foreach=False now)",
+                             after(step_ms, saved, gpu_ms) if saved else None, "optimizer"))
+            break
+    if not compiled:
+        fixes.append(Fix("torch.compile(model) in its default mode only fuses: fewer kernels, but "
+                         "each remaining launch still costs the CPU"
+                         + (f" ~{launch_us:.1f} µs" if launch_us else "")
+                         + "; no prediction (it depends on what fuses)", None, "fusion"))
+    fixes.append(Fix("raise the batch size: the same launches do more work each", None, "batch"))
+    f = Finding("launch-bound", "Launch-bound", step_ms - graph,
+                f"the CPU needs {enqueue_ms:.2f} ms to enqueue a step whose GPU work takes "
+                f"{gpu_ms:.2f} ms ({count}{per_kernel}): the GPU waits for launches", fixes)
+    return f
+
+
+def is_minor(f: Finding, step_ms: float) -> bool:
+    return step_ms <= 0 or f.cost_ms < MINOR_SHARE * step_ms or math.isnan(f.cost_ms)
