@@ -505,14 +505,11 @@ def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
 
 
 @pytest.mark.cuda
-def test_event_pair_times_a_with_block_from_c():
-    from syncless._torch import _C
+def test_timer_times_a_block_from_c():
     torch.cuda.synchronize()
-    with _C.EventPair(torch.cuda.current_device()) as pair:
+    with syncless.timer() as t:                      # enter/exit in C (TimerBase)
         torch.cuda._sleep(2_000_000)                 # a few ms of GPU time
-    assert pair.cpu_ms is not None and 0 <= pair.cpu_ms < 1000
-    ms = pair.elapsed()                              # waits for the end event
+    assert 0 <= t.cpu_ms < 1000
+    ms = t.ms                                        # waits for the end event
     assert ms > 0.1
-    assert pair.poll() == ms
-    with pytest.raises(RuntimeError, match="times one block"):
-        pair.__enter__()
+    assert t.ready and t.ms == ms

@@ -49,8 +49,8 @@ class Row(_RowFields):
 
     `step`, `time` (host wall time of the log() call; for a row replayed by a CUDA graph, the
     time of the flush that found it) and `values` ({name: float}; absent metrics are absent).
-    `gpu_ns` is the GPU's clock (%globaltimer, ns) when the gather kernel wrote the row, or None
-    for rows that never touched a GPU.
+    `gpu_ns` is the GPU's clock (%globaltimer, ns) when the gather kernel wrote the row, for a
+    Logger(gpu_time=True); otherwise None.
     """
     gpu_ns: int | None = None
     late: bool = False               # True for a row made only of late values (see attach)
@@ -230,9 +230,8 @@ class Delivery:
             # A graph replay's step was computed on the device (capture step + replay index);
             # the host saw no call, so its time is that of the flush that found the row.
             row = Row(step, flushed_at if tag & _CAPTURED else t, values)
-            if len(item) == 6:
+            if self._gpu_time:               # an attribute costs each row a dict: opt-in only
                 row.gpu_ns = item[4]
-            if self._gpu_time:
                 self._gpu_metrics(row, captured=bool(tag & _CAPTURED))
             rows.append(row)
         return rows
@@ -310,10 +309,14 @@ class Delivery:
             self.latest.update(row.values)
         self.delivered += sum(1 for row in rows if not row.late)
         self.delivered_step = rows[-1].step
-        for i, sink in enumerate(self.sinks):
-            copies = [row._with(dict(row.values)) for row in rows]    # a sink cannot corrupt
-            try:                                                      # what the others get
-                sink.write(copies)
+        sinks = self.sinks
+        last = len(sinks) - 1
+        for i, sink in enumerate(sinks):
+            # Each sink but the last gets copies, so none can change what the others (or
+            # `latest`, already updated) see; the last can have the rows themselves.
+            batch = rows if i == last else [row._with(dict(row.values)) for row in rows]
+            try:
+                sink.write(batch)
             except BaseException as exc:        # KeyboardInterrupt from a sink included
                 self._sink_failed(i, sink, exc)
 
