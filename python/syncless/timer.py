@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import threading
-import time
 from array import array
 from time import perf_counter
 from typing import Any, Callable, Iterable, NamedTuple
