@@ -8,21 +8,6 @@
 
 #include <string.h>
 
-/* Our heap types carry the module; a Python subclass of one (Timer, Timing) does not, so look
- * at its bases. Only for constructors: instances keep the state pointer they were made with. */
-sl_state *sl_state_of(PyTypeObject *type)
-{
-    for (int depth = 0; type != NULL && depth < 8; depth++) {
-        sl_state *st = (sl_state *)PyType_GetModuleState(type);
-        if (st != NULL)
-            return st;
-        PyErr_Clear();
-        type = (PyTypeObject *)PyType_GetSlot(type, Py_tp_base);
-    }
-    PyErr_SetString(PyExc_TypeError, "syncless: not a syncless._C type");
-    return NULL;
-}
-
 static PyObject *driver_version(PyObject *module, PyObject *unused)
 {
     (void)unused;

@@ -172,8 +172,20 @@ static inline sl_state *sl_type_state(PyTypeObject *type)
     return (sl_state *)PyType_GetModuleState(type);
 }
 
-/* Also for a Python subclass of one of our types (Timer, Timing), whose type has no module. */
-sl_state *sl_state_of(PyTypeObject *type);
+/* Our heap types carry the module; a Python subclass of one (Timer, Timing) does not, so look
+ * at its bases. Only for constructors: instances keep the state pointer they were made with. */
+static inline sl_state *sl_state_of(PyTypeObject *type)
+{
+    for (int depth = 0; type != NULL && depth < 8; depth++) {
+        sl_state *st = (sl_state *)PyType_GetModuleState(type);
+        if (st != NULL)
+            return st;
+        PyErr_Clear();
+        type = (PyTypeObject *)PyType_GetSlot(type, Py_tp_base);
+    }
+    PyErr_SetString(PyExc_TypeError, "syncless: not a syncless._C type");
+    return NULL;
+}
 
 /* cuda.c */
 int sl_driver_load(sl_state *st);                          /* 0, or -1 with an exception set */
