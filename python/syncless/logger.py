@@ -44,8 +44,6 @@ _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first ca
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 
 
-
-
 class LoggerStats(NamedTuple):
     steps: int                       # log() calls accepted
     delivered: int                   # rows of those calls handed to the sinks
