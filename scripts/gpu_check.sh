@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: build, run the cuda-marked tests named in $TESTS (default: all), then the
-# benchmarks named in $BENCH. Logs and results land in $OUT (the device tool's folder) if set.
+# benchmarks named in $BENCH (module names, e.g. "benchmarks.percall benchmarks.adapters"). Logs and results land in $OUT (the device tool's folder) if set.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/syncless-out}
@@ -12,7 +12,7 @@ RES=/tmp/syncless-results
 mkdir -p "$RES"
 for b in $BENCH; do
   echo "== $b"
-  python3 $b --out "$RES" 2>&1 | tee -a "$OUT/bench.log"
+  python3 -m "$b" --out "$RES" 2>&1 | tee -a "$OUT/bench.log"
 done
 # The device tool brings back at most 8 files: pack the results.
 tar czf "$OUT/results.tgz" -C "$RES" .
