@@ -168,24 +168,47 @@ static int dtype_error(PyObject *name, const DLDataType *t)
     return -1;
 }
 
-/* Can the element at `data` be read, and is its value the tensor's? 1 yes; 0 hand it to the
- * Python resolver; -1 error set. A NULL pointer is a tensor without data (functionalized, zero,
- * storage freed). A storage freed with resize_(0) (FSDP frees parameters that way) leaves its
- * views a pointer of storage_offset * itemsize, not NULL: one call tells them apart. A negative
- * bit (x.conj().imag, torch._neg_view) is a pending sign the memory does not hold.
- * Measured on the CI host (2 cores, torch 2.13), per tensor: the read itself 0.23 us, is_neg()
- * 0.34 us, storage_offset() 0.16 us (called only for pointers below 2^40, see below). A storage
- * shrunk to a nonzero size below a view is read as torch reads it (the resolver checks bounds when
- * it is called for another reason). */
-static int readable(sl_state *st, PyObject *t, const char *data, size_t itemsize)
+/* An exact tensor type (torch.Tensor, nn.Parameter). */
+static int is_plain(sl_state *st, PyObject *value)
 {
-    if (data == NULL)
-        return 0;
+    return Py_IS_TYPE(value, (PyTypeObject *)st->tensor_type) ||
+           (st->param_type && Py_IS_TYPE(value, (PyTypeObject *)st->param_type));
+}
+
+/* Does the tensor carry a negative bit (x.conj().imag, torch._neg_view): a pending sign the
+ * memory does not hold? 1 yes, 0 no, -1 error. Asking torch (is_neg()) costs ~0.34 us per tensor
+ * on the CI host, more than reading the tensor itself; when learn_neg_bit() found where this
+ * torch keeps the bit, it is one load from the tensor's key set (a few ns). */
+static int negative(sl_state *st, PyObject *t)
+{
+    if (st->neg_obj_off && !(st->neg_flag_off && ((const char *)t)[st->neg_flag_off])) {
+        const char *impl;
+        uint64_t keys;
+        memcpy(&impl, (const char *)t + st->neg_obj_off, sizeof impl);
+        memcpy(&keys, impl + st->neg_key_off, sizeof keys);
+        return (keys & st->neg_bit) != 0;
+    }
     PyObject *r = PyObject_CallFunctionObjArgs(st->is_neg_fn, t, NULL);
     if (r == NULL)
         return -1;
     int neg = PyObject_IsTrue(r);
     Py_DECREF(r);
+    return neg;
+}
+
+/* Can the element at `data` be read, and is its value the tensor's? 1 yes; 0 hand it to the
+ * Python resolver; -1 error set. A NULL pointer is a tensor without data (functionalized, zero,
+ * storage freed). A storage freed with resize_(0) (FSDP frees parameters that way) leaves its
+ * views a pointer of storage_offset * itemsize, not NULL: one call tells them apart. Measured on
+ * the CI host (2 cores, torch 2.13), per tensor: the read itself 0.23 us, storage_offset()
+ * 0.16 us (called only for pointers below 2^40, see below). A storage shrunk to a nonzero size
+ * below a view is read as torch reads it (the resolver checks bounds when it is called for
+ * another reason). */
+static int readable(sl_state *st, PyObject *t, const char *data, size_t itemsize)
+{
+    if (data == NULL)
+        return 0;
+    int neg = negative(st, t);
     if (neg)
         return neg < 0 ? -1 : 0;
     /* A storage without memory leaves a pointer below its former size; no real allocation
@@ -200,6 +223,80 @@ static int readable(sl_state *st, PyObject *t, const char *data, size_t itemsize
     if (off == -1 && PyErr_Occurred())
         return -1;
     return (uintptr_t)data != (uintptr_t)off * itemsize; /* equal: the storage has no memory */
+}
+
+/* The words of a TensorImpl searched for the key set: fewer than sizeof(TensorImpl) on every
+ * torch 2.x (192 bytes on 64-bit builds), so the search never reads past the object. */
+#define SL_IMPL_WORDS 24
+
+/* learn_neg_bit(probes) -> bool: find where this torch keeps a tensor's negative bit.
+ * probes: plain tensors, some with the bit. Each one's TensorImpl address (Tensor._cdata) must
+ * sit at one offset of the Python object, either right after the object header or behind a
+ * zero flag byte (torch's MaybeOwned); and exactly one bit of one word of the TensorImpl must be
+ * set in every negative probe and clear in every other. Anything less and the answer is False:
+ * negative() keeps asking is_neg(). */
+PyObject *sl_learn_neg_bit(PyObject *module, PyObject *probes)
+{
+    sl_state *st = sl_get_state(module);
+    st->neg_obj_off = 0;
+    if (st->is_neg_fn == NULL || !PyList_Check(probes)) {
+        PyErr_SetString(PyExc_TypeError, "learn_neg_bit(list of tensors) after bind_torch()");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(probes), negs = 0, obj_off = 0, flag_off = 0, key_off = -1;
+    if (n > 64)
+        n = 64;
+    const char *impl[64];
+    int neg[64];
+    uint64_t bit = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyList_GetItem(probes, i);
+        if (!is_plain(st, t))
+            Py_RETURN_FALSE;
+        PyObject *cdata = PyObject_GetAttrString(t, "_cdata");
+        impl[i] = cdata ? (const char *)PyLong_AsVoidPtr(cdata) : NULL;
+        Py_XDECREF(cdata);
+        if ((neg[i] = negative(st, t)) < 0 || impl[i] == NULL)
+            return NULL;
+        negs += neg[i];
+    }
+    if (negs < 3 || n - negs < 3)
+        Py_RETURN_FALSE;
+    const Py_ssize_t head = 2 * (Py_ssize_t)sizeof(void *); /* refcount, type */
+    for (Py_ssize_t off = head; off <= head + 8 && !obj_off; off += 8) {
+        int all = 1;
+        for (Py_ssize_t i = 0; i < n && all; i++) {
+            const char *obj = (const char *)PyList_GetItem(probes, i), *p;
+            memcpy(&p, obj + off, sizeof p);
+            all = p == impl[i] && (off == head || obj[head] == 0);
+        }
+        if (all)
+            obj_off = off, flag_off = off == head ? 0 : head;
+    }
+    if (!obj_off)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t w = 1; w < SL_IMPL_WORDS; w++) {
+        uint64_t set = ~(uint64_t)0, clear = ~(uint64_t)0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t keys;
+            memcpy(&keys, impl[i] + 8 * w, 8);
+            if (neg[i])
+                set &= keys;
+            else
+                clear &= ~keys;
+        }
+        uint64_t found = set & clear;
+        if (found == 0)
+            continue;
+        if (key_off >= 0 || (found & (found - 1)))
+            Py_RETURN_FALSE; /* more than one candidate: ambiguous */
+        key_off = 8 * w, bit = found;
+    }
+    if (key_off < 0)
+        Py_RETURN_FALSE;
+    st->neg_flag_off = flag_off, st->neg_key_off = key_off, st->neg_bit = bit;
+    st->neg_obj_off = obj_off;
+    Py_RETURN_TRUE;
 }
 
 /* One element tensor viewed through DLPack -> a cell. 1 when it needs the resolver. */
@@ -303,16 +400,10 @@ error:
     return rc;
 }
 
-/* An exact tensor type (torch.Tensor, nn.Parameter): 0 read, 1 needs the resolver, -1 error. */
+/* A tensor of an exact tensor type: 0 read, 1 needs the resolver, -1 error. */
 static int read_plain(sl_state *st, PyObject *name, PyObject *value, sl_metric *out)
 {
     return st->xapi ? read_exchange(st, name, value, out) : read_fallback(st, name, value, out);
-}
-
-static int is_plain(sl_state *st, PyObject *value)
-{
-    return Py_IS_TYPE(value, (PyTypeObject *)st->tensor_type) ||
-           (st->param_type && Py_IS_TYPE(value, (PyTypeObject *)st->param_type));
 }
 
 /* Anything else that is a tensor goes to syncless._metric.resolve(name, value), which returns

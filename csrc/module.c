@@ -21,6 +21,9 @@ static PyMethodDef methods[] = {
     {"bind_torch", sl_bind_torch, METH_VARARGS,
      "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number, "
      "real_types) -> whether the fast path is on"},
+    {"learn_neg_bit", sl_learn_neg_bit, METH_O,
+     "learn_neg_bit(probes) -> bool: find where torch keeps a tensor's negative bit, from plain "
+     "tensors with and without it (False: is_neg() is asked instead)."},
     {"read_host_values", sl_read_host_values, METH_O,
      "read_host_values(metrics) -> (device, floats or None): read one call's metrics on the host, "
      "or name the CUDA device of the first GPU one"},

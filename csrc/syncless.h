@@ -141,6 +141,12 @@ typedef struct {
     PyObject *number;                /* syncless._metric.number(name, value) -> float */
     PyObject *real_types;            /* {type: True}: scalar types number() found real */
     PyObject *is_neg_fn, *offset_fn; /* Tensor.is_neg, Tensor.storage_offset (unbound) */
+    /* Where a tensor keeps its negative bit, learnt from probes (metric.c, learn_neg_bit):
+     * the TensorImpl pointer at obj + neg_obj_off (0: not learnt, call is_neg()), behind an
+     * ownership flag byte at obj + neg_flag_off when that is nonzero; the bit neg_bit of the
+     * word at impl + neg_key_off (its dispatch key set). */
+    Py_ssize_t neg_obj_off, neg_flag_off, neg_key_off;
+    uint64_t neg_bit;
     PyObject *data_ptr_str, *dtype_str, *get_device_str, *numel_str, *is_neg_str;
     PyObject *storage_offset_str;
     PyObject *dtype_codes; /* {torch.dtype: kind} for the fallback path */
@@ -201,6 +207,7 @@ int sl_current_stream(sl_state *st, int device, CUstream *out);
 
 /* metric.c */
 PyObject *sl_read_host_values(PyObject *module, PyObject *metrics);
+PyObject *sl_learn_neg_bit(PyObject *module, PyObject *probes);
 /* 0, or -1 with an exception set. *keep receives a new reference (or NULL) to a tensor the
  * cell points into, which must stay alive until the launch is enqueued. */
 int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out, PyObject **keep);

@@ -61,6 +61,7 @@ PyObject *sl_bind_torch(PyObject *module, PyObject *args)
     replace_ref(&st->number, number);
     replace_ref(&st->real_types, real_types);
     st->xapi = api;
+    st->neg_obj_off = 0; /* learnt again for these types (learn_neg_bit) */
     return PyBool_FromLong(api != NULL);
 }
 

@@ -513,3 +513,66 @@ def test_timer_times_a_block_from_c():
     ms = t.ms                                        # waits for the end event
     assert ms > 0.1
     assert t.ready and t.ms == ms
+
+
+def _neg_zoo(device):
+    """Tensors the probes never saw: other dtypes, expanded and strided views, results of ops,
+    clones, neg views of neg views, of parameters and of inference tensors."""
+    base = torch.arange(6.0, device=device).reshape(2, 3) + 1
+    p = torch.nn.Parameter(torch.ones(2, device=device))
+    zoo = [base[1, 2], base.t()[0, 1], base.sum(), base.clone()[0, 0], p[0], p.sum(),
+           torch.tensor(7, dtype=torch.int32, device=device), base.expand(4, 2, 3)[3, 1, 1]]
+    for dtype in (torch.bfloat16, torch.float64, torch.uint8, torch.bool, torch.float8_e4m3fn):
+        zoo.append(torch.ones(3, device=device).to(dtype)[1])
+    unsigned = (torch.bool, torch.float8_e4m3fn)     # torch cannot resolve their negation
+    zoo += [torch._neg_view(x) for x in list(zoo) if x.dtype not in unsigned]
+    zoo += [torch._neg_view(torch._neg_view(base))[0, 1], torch._neg_view(p)[1],
+            torch.view_as_real(torch.ones(2, dtype=torch.complex64, device=device))[1, 1],
+            torch.ones(1, dtype=torch.complex128, device=device).conj().imag]
+    with torch.inference_mode():
+        zoo += [torch._neg_view(torch.full((2,), 3.0, device=device))[1],
+                torch.full((2,), 3.0, device=device)[0]]
+    return zoo
+
+
+def _read_all(zoo):
+    return [syncless._torch._C.read_host_values({"m": x})[1]["m"] for x in zoo]
+
+
+def test_the_negative_bit_is_read_from_the_key_set_and_agrees_with_is_neg():
+    from syncless import _torch
+    assert _torch.NEG_BIT_READ                    # this torch: found where the bit lives
+    zoo = _neg_zoo("cpu")
+    assert sum(x.is_neg() for x in zoo) >= 10 and sum(not x.is_neg() for x in zoo) >= 10
+    expected = [x.resolve_neg().item() for x in zoo]
+    assert _read_all(zoo) == expected
+    # Probes that cannot tell the bit apart (too few, none negative) turn the read off; values
+    # stay right through is_neg(); learning again turns it back on.
+    try:
+        assert not _torch._C.learn_neg_bit([torch.ones(1)] * 4)
+        assert not _torch._C.learn_neg_bit([])
+        assert _read_all(zoo) == expected
+    finally:
+        assert _torch._learn_neg_bit()
+    assert _read_all(zoo) == expected
+
+
+@pytest.mark.cuda
+def test_cuda_negative_bits_are_logged_as_their_values():
+    zoo = [x for x in _neg_zoo("cuda") if x.dtype.is_floating_point or x.dtype == torch.int32]
+    expected = [float(x.resolve_neg().item()) for x in zoo]
+    rows = []
+
+    class Sink:
+        def write(self, batch):
+            rows.extend(batch)
+
+    torch.cuda.synchronize()
+    with syncless.Logger(sinks=[Sink()], every=4) as log:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x in zoo:
+                log.log({"m": x})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert [r.values["m"] for r in rows] == expected

@@ -25,4 +25,32 @@ FAST_PATH: bool = _C.bind_torch(torch.Tensor, torch.nn.Parameter, DTYPE_KINDS,
                                 getattr(torch._C, "_cuda_getCurrentRawStream", None),
                                 _metric.resolve, _metric.number, _metric.REAL_TYPES)
 
-__all__ = ["_C", "DTYPE_KINDS", "MAX_CELLS", "FAST_PATH"]
+
+
+def _neg_probes() -> list:
+    """Tensors with and without the negative bit, as varied as the metrics a loop logs (views,
+    autograd, parameters, inference mode, other dtypes), for ``_C.learn_neg_bit``."""
+    a, z = torch.tensor([2.0, 3.0]), torch.tensor([1 + 2j])
+    leaf = torch.ones(1, requires_grad=True)
+    neg = [torch._neg_view(a), torch._neg_view(a)[1], z.conj().imag, torch._neg_view(leaf),
+           torch._neg_view(torch.ones(1, dtype=torch.int64))]
+    plain = [a, a[1], z.imag, leaf, leaf * 2, torch.nn.Parameter(torch.ones(1)),
+             torch._neg_view(torch._neg_view(a)), torch.ones(1, dtype=torch.float16)]
+    with torch.inference_mode():
+        neg.append(torch._neg_view(torch.ones(1)))
+        plain.append(torch.ones(1))
+    return neg + plain
+
+
+def _learn_neg_bit() -> bool:
+    try:
+        probes = _neg_probes()
+    except (AttributeError, RuntimeError):      # a torch without _neg_view: ask is_neg()
+        return False
+    return _C.learn_neg_bit(probes)
+
+
+#: Whether the C reader finds a tensor's negative bit in its key set (else it calls is_neg()).
+NEG_BIT_READ: bool = _learn_neg_bit()
+
+__all__ = ["_C", "DTYPE_KINDS", "MAX_CELLS", "FAST_PATH", "NEG_BIT_READ"]
