@@ -201,6 +201,28 @@ def test_gpu_time_rows_carry_the_gpu_clock_and_step_times(no_syncs):
     assert min(r.values["gpu/lag_ms"] for r in keep) == 0.0
 
 
+def test_gpu_steps_give_the_gpu_time_per_step_whatever_the_rows_per_step(no_syncs):
+    a = torch.randn(2048, 2048, device="cuda")
+    ends = []
+    log = syncless.Logger(every=8, gpu_time=True, device="cuda")
+    for step in range(0, 40, 2):                 # two rows a step; every other step logged
+        y = a @ a @ a
+        log(loss=y.mean(), step=step)
+        y = y @ a
+        log.log({"other": y.mean()}, step=step)  # the step's last row stands for it
+        ends.append(torch.cuda.Event(enable_timing=True))
+        ends[-1].record()
+    torch.cuda.set_sync_debug_mode(0)
+    log.flush()
+    got = log.gpu_steps()
+    log.close()
+    assert [s for s, _, _ in got] == list(range(0, 40, 2))
+    assert got[0][1] is None and all(lag is not None and lag >= 0 for _, _, lag in got)
+    for (_, gpu, _), e0, e1 in zip(got[3:], ends[2:], ends[3:]):
+        per_step = e0.elapsed_time(e1) / 2      # two steps between logged ones
+        assert abs(gpu - per_step) <= 0.02 * per_step + 0.01
+
+
 def test_gpu_time_off_adds_nothing():
     keep = []
 
@@ -211,4 +233,6 @@ def test_gpu_time_off_adds_nothing():
     with syncless.Logger(every=5, sinks=[Keep()], device="cuda") as log:
         for i in range(3):
             log(x=torch.tensor(float(i), device="cuda"))
+        log.flush()
+        assert log.gpu_steps() == []
     assert [dict(r.values) for r in keep] == [{"x": 0.0}, {"x": 1.0}, {"x": 2.0}]

@@ -314,4 +314,6 @@ def test_gpu_time_on_cpu_rows_adds_no_columns():
     with syncless.Logger(every=2, sinks=[got], gpu_time=True) as log:
         for i in range(3):
             log(x=float(i))
+        log.flush()
+        assert log.gpu_steps() == []              # no GPU clock on host rows
     assert got.rows == [(0, {"x": 0.0}), (1, {"x": 1.0}), (2, {"x": 2.0})]

@@ -19,6 +19,7 @@ its own.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -35,6 +36,7 @@ _log = logging.getLogger("syncless")
 _CAPTURED = _C.CAPTURED_TAG           # tag bit of a row written by a CUDA graph replay
 GPU_STEP = "gpu/step_ms"
 GPU_LAG = "gpu/lag_ms"
+GPU_STEPS_KEPT = 8192                 # steps whose GPU clock Logger.gpu_steps() can return
 RESERVED = frozenset({"step", "time"})       # every row's own fields in JSONL and CSV
 
 
@@ -122,6 +124,8 @@ class Delivery:
         self._late: list[_Late] = []
         self._last_gpu_ns: int | None = None
         self._gpu_offset: int | None = None  # min(gpu_ns - host_ns): the clocks' alignment
+        # [step, gpu_ns, lag_ms] of the last row of each recent step (gpu_time only)
+        self.gpu_steps: collections.deque = collections.deque(maxlen=GPU_STEPS_KEPT)
 
     # ---- the training thread's side -----------------------------------------------------------
 
@@ -243,15 +247,20 @@ class Delivery:
         if self._last_gpu_ns is not None:
             row.values[GPU_STEP] = (gpu - self._last_gpu_ns) / 1e6
         self._last_gpu_ns = gpu
-        if captured:
-            return                           # no host call time to compare with
-        # The smallest (GPU write - host call) seen is the clocks' offset plus the launch
-        # latency: the moment the GPU was idle, waiting for this very call. Lag above it is
-        # queue depth: ~0 when the CPU is the bottleneck, growing when the GPU is.
-        d = gpu - int(row.time * 1e9)
-        if self._gpu_offset is None or d < self._gpu_offset:
-            self._gpu_offset = d
-        row.values[GPU_LAG] = (d - self._gpu_offset) / 1e6
+        lag = None
+        if not captured:                     # a replayed row has no host call time to compare
+            # The smallest (GPU write - host call) seen is the clocks' offset plus the launch
+            # latency: the moment the GPU was idle, waiting for this very call. Lag above it is
+            # queue depth: ~0 when the CPU is the bottleneck, growing when the GPU is.
+            d = gpu - int(row.time * 1e9)
+            if self._gpu_offset is None or d < self._gpu_offset:
+                self._gpu_offset = d
+            lag = row.values[GPU_LAG] = (d - self._gpu_offset) / 1e6
+        steps = self.gpu_steps
+        if steps and steps[-1][0] == row.step:
+            steps[-1][1:] = gpu, lag         # the step's last row stands for it
+        else:
+            steps.append([row.step, gpu, lag])
 
     def _merge_late(self, rows: list[Row], upto: float | None) -> list[Row]:
         """Late values join the first row of their step; those whose step already went out

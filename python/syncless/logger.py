@@ -107,8 +107,9 @@ class Logger:
     or Python numbers. The value recorded is the tensor's value at the call, in stream order.
     A Logger belongs to the thread that logs first; a call from another thread raises, unless
     the Logger was made with `threads=True`: then calls from every thread are serialised under a
-    lock (~0.3 us more per call) and rows keep the order in which the calls took their steps. `gpu_time=True` adds `gpu/step_ms` (GPU time
-    between consecutive rows) and `gpu/lag_ms` (how far the GPU trails the CPU) to every row.
+    lock (~0.3 us more per call) and rows keep the order in which the calls took their steps.
+    `gpu_time=True` adds `gpu/step_ms` (GPU time between consecutive rows) and `gpu/lag_ms` (how
+    far the GPU trails the CPU) to every row, and keeps the GPU clock per step (gpu_steps()).
     """
 
     def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
@@ -512,6 +513,19 @@ class Logger:
     def latest(self) -> dict:
         """The last delivered value of each metric (a few steps behind the loop)."""
         return self._delivery.latest
+
+    def gpu_steps(self) -> list[tuple[int, float | None, float | None]]:
+        """[(step, gpu_ms, lag_ms)] for the recent delivered steps of a Logger(gpu_time=True)
+        (up to 8192; [] otherwise), read from the GPU timestamps of each step's last row.
+        gpu_ms: the GPU's time from the previous step's last row to this one's, per step when
+        steps were skipped (None for the first); the GPU's pace, whatever it spent it on.
+        lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
+        out, prev = [], None
+        for step, ns, lag in list(self._delivery.gpu_steps):   # one C call: never torn
+            gpu = None if prev is None or step <= prev[0] else (ns - prev[1]) / 1e6 / (step - prev[0])
+            out.append((step, gpu, lag))
+            prev = (step, ns)
+        return out
 
     @property
     def stats(self) -> LoggerStats:
