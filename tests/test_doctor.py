@@ -924,6 +924,40 @@ def test_watch_reads_gpu_time_without_waiting():
 
 
 @pytest.mark.cuda
+def test_watch_reads_the_gpu_clock_from_a_gpu_time_logger():
+    """The rows watch() logs carry the GPU clock: a loop of big matmuls queues work (the GPU
+    sets the pace, which matches CUDA events), a loop that sleeps on the host between tiny
+    kernels lets the GPU catch up every step."""
+    a = torch.randn(4096, 4096, device="cuda")
+    with syncless.Logger(every=16, gpu_time=True) as log:
+        w = watch(range(60), log=log, gpu_every=1)
+        for _ in w:
+            for _ in range(4):
+                a = torch.tanh(a @ a) / 4096
+        log.flush()
+        w.monitor.drain()
+        m = w.summary(skip=20)
+    c = m.gpu_clock
+    assert c is not None and c.steps >= 35, m
+    assert c.queue_steps >= 1.0, c                       # several steps queued
+    assert abs(c.pace_ms - m.gpu_ms) <= 0.05 * m.gpu_ms, (c, m.gpu_ms)
+    assert "GPU-bound" in w.report() and "GPU clock" in w.report()
+
+    x = torch.zeros(1, device="cuda")
+    with syncless.Logger(every=8, gpu_time=True) as log:
+        w = watch(range(30), log=log)
+        for _ in w:
+            x += 1
+            time.sleep(0.002)
+        log.flush()
+        m = w.summary(skip=5)
+    c = m.gpu_clock
+    assert c is not None and c.queue_steps <= 0.1, c
+    assert abs(c.pace_ms - m.step_ms) <= 0.2 * m.step_ms, (c, m.step_ms)  # the host's pace
+    assert "catches up with the host" in w.report()
+
+
+@pytest.mark.cuda
 def test_fallback_under_profiler_and_trace(tmp_path):
     """torch.profiler holds CUPTI: the audit falls back to torch's sync debug mode and says what
     it misses; doctor(trace=) writes a Perfetto-readable trace. A subprocess, so the profiler's

@@ -9,7 +9,9 @@ read only once its end event completed: never a wait in the loop). Recording two
 polling them costs ~8 µs of host time a step on an H200 host (benchmarks/doctor_overhead.py),
 0.5% of a 1.7 ms step, so by default the GPU is timed on a sample of the steps chosen to keep
 the measured cost under 0.25% of the step (every step once steps take ~10 ms; `gpu_every=1`
-times them all). The rest of the monitor costs ~1 µs a step.
+times them all). The rest of the monitor costs ~1 µs a step. Given a Logger(gpu_time=True), the
+rows it logs carry the GPU clock, so the report also has the GPU's pace and lag for every step
+at no cost (doctor/_gpuclock.py).
 
 StepMonitor is the same thing for loops that don't iterate a loader:
 
@@ -32,6 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ._gpuclock import GpuClock, gpu_clock
 from ._loader import loader_settings
 from .findings import is_minor, starvation_finding
 from .report import render_watch, watch_html
@@ -55,6 +58,7 @@ class MonitorSummary:
     data_p90_ms: float = 0.0
     loader: dict = field(default_factory=dict)
     data_cpu: float | None = None    # CPU share of the training thread's data wait (None: untimed)
+    gpu_clock: GpuClock | None = None    # the GPU's pace and lag, from a Logger(gpu_time=True)
 
     @property
     def data_share(self) -> float:
@@ -108,6 +112,7 @@ class StepMonitor:
         self._t0 = None                       # start of the open step
         self._pair = None
         self._latest_gpu = None               # (step, ms) newest GPU reading not yet logged
+        self._log_offset: int | None = None   # logger step minus monitor step, from the first row
         self._every = gpu_every or 1          # the sampling interval in force
         self._next_timed = 0                  # the next step to GPU-time
         # Adaptive sampling: a "cycle" runs from one timed step's start to the next one's.
@@ -235,7 +240,10 @@ class StepMonitor:
             values["gpu_ms"] = self._latest_gpu[1]
             values["gpu_step"] = float(self._latest_gpu[0])
             self._latest_gpu = None
-        self.log.log(values, step=max(step, getattr(self.log, "last_step", -1)))
+        at = max(step, getattr(self.log, "last_step", -1))
+        if self._log_offset is None:
+            self._log_offset = at - step
+        self.log.log(values, step=at)
 
     @contextlib.contextmanager
     def data(self):
@@ -285,11 +293,15 @@ class StepMonitor:
             wall_ms = sum(w for _, w in gpu) * 1e3
             idle = min(1.0, max(0.0, 1.0 - sum(g for g, _ in gpu) / wall_ms)) if wall_ms else 0.0
         data_sorted = sorted(data)
+        clock = None
+        if self.log is not None and self._log_offset is not None:
+            clock = gpu_clock(self.log, self._log_offset + first + lo)
         return MonitorSummary(
             steps=n, data_ms=statistics.fmean(data) * 1e3, cpu_ms=statistics.fmean(cpu) * 1e3,
             step_ms=statistics.fmean(walls) * 1e3, gpu_ms=gpu_ms, gpu_steps=len(gpu), idle=idle,
             data_p90_ms=data_sorted[min(n - 1, int(0.9 * n))] * 1e3, loader=self.loader,
-            data_cpu=self._data_cpu / self._data_wall if self._data_wall > 0 else None)
+            data_cpu=self._data_cpu / self._data_wall if self._data_wall > 0 else None,
+            gpu_clock=clock)
 
 
 class Watch:
@@ -340,6 +352,8 @@ class Watch:
 
 def watch(iterable: Iterable, log: Any = None, **kw: Any) -> Watch:
     """`for batch in syncless.watch(loader, log=log):` — per-step data wait, CPU and GPU time,
-    logged as data_wait_ms / cpu_ms / step_ms / gpu_ms when a Logger is given. Keywords go to
+    logged as data_wait_ms / cpu_ms / step_ms / gpu_ms when a Logger is given. A
+    Logger(gpu_time=True) also gives the report the GPU's pace and how far it trails the host,
+    every step, from the GPU clock in the rows (no event, no launch). Keywords go to
     StepMonitor (gpu=False: no GPU timing; gpu_every=n: GPU-time every n-th step)."""
     return Watch(iterable, log=log, **kw)

@@ -155,6 +155,10 @@ def render_watch(w: Any) -> str:
         rows.append([f"GPU span ({m.gpu_steps} steps timed)", f"{m.gpu_ms:.3f}",
                      _pct(m.gpu_ms, m.step_ms)])
     lines += ["  " + line for line in _table(rows, ["", "ms/step", "share"])]
+    if m.gpu_clock is not None:
+        c = m.gpu_clock
+        lines.append(f"GPU clock (the logger's rows, {c.steps} steps): {c.pace_ms:.3f} ms/step; "
+                     f"{c.verdict()}")
     findings = m.findings()
     if findings:
         for f in findings:
@@ -178,7 +182,7 @@ def watch_html(w: Any) -> str:
     cells = "".join(f"<tr><td>{html.escape(name)}</td><td style='text-align:right'>{ms:.3f}</td>"
                     f"<td style='text-align:right'>{_pct(ms, m.step_ms)}</td></tr>"
                     for name, ms in rows)
-    advice = render_watch(w).splitlines()[len(rows) + 3:]
+    advice = render_watch(w).splitlines()[len(rows) + 3:]   # the lines below the table
     return (f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)</p>"
             f"<table><tr><th></th><th>ms/step</th><th>share</th></tr>{cells}</table>"
             + "".join(f"<p>{html.escape(line)}</p>" for line in advice))
