@@ -60,6 +60,7 @@ from .logger import Logger
 __all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
 
 _log = logging.getLogger("syncless")
+_INF = float("inf")
 _classes: dict[str, type] = {}
 
 
@@ -160,14 +161,23 @@ class SynclessTrainerMixin:
             return loss
         if self.args.logging_nan_inf_filter and loss.device == tr_loss.device:
             # The Trainer's filter, on the device: a non-finite loss adds the window's mean.
+            # Four kernels (abs, lt, div, where; torch.isfinite alone is four), where the
+            # Trainer's check is three and two syncs. |NaN| < inf and |±inf| < inf are False.
             window = 1 + self.state.global_step - self._globalstep_last_logged
-            loss = torch.where(torch.isfinite(loss), loss, tr_loss / window)
+            loss = torch.where(loss.abs() < _INF, loss, tr_loss / window)
             self.args.logging_nan_inf_filter = False     # the host check would sync; see below
             self._sl_filter_off = True
         if self.syncless is not None:
-            if self._sl_step_loss is None:
-                self._sl_step_loss = torch.zeros((), dtype=tr_loss.dtype, device=tr_loss.device)
-            self._sl_step_loss += loss
+            # The step's loss: the micro-batch's own tensor when it is the step's only one (no
+            # kernel: nothing writes to it later), a sum in a new tensor for the next ones,
+            # in the dtype the Trainer sums in (its tr_loss's).
+            step_loss = self._sl_step_loss
+            if step_loss is None:
+                self._sl_step_loss = loss
+            else:
+                if step_loss.dtype != tr_loss.dtype:
+                    step_loss = step_loss.to(tr_loss.dtype)
+                self._sl_step_loss = step_loss + loss
         return loss
 
     def _sl_restore_filter(self) -> None:
@@ -238,8 +248,7 @@ class SynclessTrainerMixin:
             if self._sl_tokens is not None:
                 row["num_input_tokens_seen"] = self._sl_tokens
             self.syncless.log(row, step=step)
-            if self._sl_step_loss is not None:
-                self._sl_step_loss.zero_()   # after the gather, in stream order
+            self._sl_step_loss = None        # the next micro-batch starts the next step's sum
         if control.should_log and step > self._globalstep_last_logged:
             from transformers.trainer_pt_utils import nested_gather
             values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
