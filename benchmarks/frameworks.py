@@ -27,11 +27,15 @@ identical (wall-clock keys aside). An extra counted configuration logs every ste
 (Lightning `log_every_n_steps=1`; HF `logging_steps=1` and `include_num_input_tokens_seen`).
 When they differ, a second native run tells whether the native run itself is reproducible, the
 table gives the largest relative difference of each pair, and (on CUDA) a child process runs the
-three again under torch.use_deterministic_algorithms(True): identical there means syncless
-changes no value, and the difference is the GPU kernels' own nondeterminism.
+three again under torch.use_deterministic_algorithms(True) and the math attention backend:
+identical there means syncless changes no value, and the difference is the GPU kernels' own
+nondeterminism.
 Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; each run
 times its window between two device synchronizes; the table gives the median ms/step and the
-median of the per-round ratios syncless/native with its 95% confidence interval.
+median of the per-round ratios syncless/native with its 95% confidence interval (6 rounds at
+least), and the training thread's CPU time per step beside it. The small models' step is the
+host's work (about 200 kernels of a few µs, the GPU busy under a tenth of it), so their runs
+vary most (±10-20% run to run on the H200 host): --small-rounds gives them more rounds.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class Window:
         self.syncs = 0
         self.sites: dict[str, int] = {}
         self.seconds = None
+        self.cpu_seconds = None              # the training thread's CPU time in the window
         self._ctx = None
 
     def begin(self, i: int) -> None:
@@ -83,6 +88,7 @@ class Window:
         if self.cuda:
             torch.cuda.synchronize()
         self._t0 = time.perf_counter()
+        self._c0 = time.thread_time()
 
     def end(self, i: int) -> None:
         if i != self.stop:
@@ -99,6 +105,7 @@ class Window:
         if self.cuda:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.thread_time() - self._c0
 
     @property
     def steps(self) -> int:
@@ -278,9 +285,10 @@ def max_rel_diff(a: list, b: list) -> float | None:
 
 
 def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | None = None,
-        deterministic_check: bool = True) -> dict:
+        deterministic_check: bool = True, small_rounds: int | None = None) -> dict:
     """Fills results["sections"], calling save() after each one (a cut run keeps what it has).
-    only: the frameworks to run ({"lightning", "hf"}; None: both)."""
+    only: the frameworks to run ({"lightning", "hf"}; None: both); small_rounds: rounds for the
+    small models (the noisiest: the host's speed is their step time), default `rounds`."""
     cuda = device == "cuda"
     results.setdefault("sections", [])
     rng = random.Random(0)
@@ -338,24 +346,37 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
                 print(f"  {cname:28s} logged values identical: {_same(c)} ({n_values} cells)",
                       flush=True)
 
+            cpu_ms: dict = {"native": [], "syncless": []}
+
             def timed(variant: str):
                 def go() -> float:
                     win = Window(start, stop, count=False, cuda=cuda)
                     with tempfile.TemporaryDirectory() as tmp:
                         fit(device, cfg, variant == "syncless", total, win, tmp=tmp)
+                    cpu_ms[variant].append(win.cpu_seconds / win.steps * 1e3)
                     return win.seconds / win.steps * 1e3
                 return go
+            n_rounds = small_rounds if (small_rounds and model_name == "small") else rounds
+            section["rounds"] = n_rounds
             times = interleave({"native": timed("native"), "syncless": timed("syncless")},
-                               rounds, rng)
+                               n_rounds, rng)
             ratios = paired_ratios(times, "syncless", "native")
             section["ms_per_step"] = {k: summarize(v) for k, v in times.items()}
             section["raw_ms"] = times
+            # The training thread's CPU time per step: the host's work, sync waits included
+            # (CUDA spins while it waits), time the thread did not run excluded.
+            section["raw_cpu_ms"] = cpu_ms
+            section["cpu_ms_per_step"] = {k: summarize(v) for k, v in cpu_ms.items()}
+            section["cpu_ratio_ci"] = median_ci(paired_ratios(cpu_ms, "syncless", "native"))
             section["ratio"] = summarize(ratios)
             section["ratio_ci"] = median_ci(ratios)
             print(f"  step time native {num(section['ms_per_step']['native']['median'])} ms, "
                   f"syncless {num(section['ms_per_step']['syncless']['median'])} ms, "
                   f"syncless/native {pct(section['ratio']['median'])} "
-                  f"CI {pct_ci(section['ratio_ci'])} ({len(ratios)} rounds)", flush=True)
+                  f"CI {pct_ci(section['ratio_ci'])} ({len(ratios)} rounds); thread CPU "
+                  f"{num(section['cpu_ms_per_step']['native']['median'])} -> "
+                  f"{num(section['cpu_ms_per_step']['syncless']['median'])} ms, CI "
+                  f"{pct_ci(section['cpu_ratio_ci'])}", flush=True)
             results["sections"].append(section)
             save()
     return results
@@ -383,9 +404,27 @@ def _deterministic_values(fw: str, model: str, cname: str, quick: bool) -> dict:
 
 def values_only(spec: str, quick: bool) -> dict:
     """--values-only fw:model:config: native twice and syncless once under
-    torch.use_deterministic_algorithms(True); are they identical?"""
+    torch.use_deterministic_algorithms(True) with the math attention backend (flash and
+    memory-efficient attention accumulate their backward with atomics); are they identical?
+    An op with no deterministic version makes the strict mode raise: then warn_only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    out: dict = {}
+    for strict in (True, False):
+        torch.use_deterministic_algorithms(True, warn_only=not strict)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = _values_three_runs(spec, quick)
+            out["strict"] = strict
+            return out
+        except RuntimeError as exc:
+            if not strict or "determinis" not in str(exc):
+                raise
+            out["strict_error"] = str(exc)[:300]
+    return out
+
+
+def _values_three_runs(spec: str, quick: bool) -> dict:
     fw, model, cname = spec.split(":", 2)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     models, fit = (LIGHTNING_MODELS, _lightning_fit) if fw == "lightning" else (HF_MODELS,
                                                                                 _hf_train)
     cfg = models[model]
@@ -411,7 +450,8 @@ def _same(c: dict) -> str:
         return "yes"
     det = c.get("deterministic") or {}
     if det.get("identical") and det.get("native_reproducible"):
-        return "yes, with deterministic algorithms (two default native runs differ too)"
+        return ("yes under deterministic algorithms (two default native runs differ too: "
+                "GPU kernels' own nondeterminism)")
     if c.get("native_reproducible") is False:
         d = c.get("max_rel_diff") or {}
         return (f"no: two native runs differ too (max rel. diff native/native "
@@ -448,6 +488,19 @@ def markdown(results: dict, env: dict) -> str:
             kept.setdefault(s["kept_from"], []).append(f"{s['framework']} {s['model']}")
     for src, names in kept.items():
         lines += ["", f"Rows kept from an earlier run ({src}): {', '.join(names)}."]
+    rows = []
+    for s in results["sections"]:
+        cpu = s.get("cpu_ms_per_step")
+        if cpu:
+            ratio = summarize(paired_ratios(s["raw_cpu_ms"], "syncless", "native"))["median"]
+            rows.append([s["framework"], s["model"], num(cpu["native"]["median"]),
+                         num(cpu["syncless"]["median"]), pct(ratio), pct_ci(s["cpu_ratio_ci"])])
+    if rows:
+        lines += ["", "The training thread's CPU time per step in the same windows (the host's "
+                      "work; a sync's wait spins, so it counts here too, while time the thread "
+                      "was not running does not):",
+                  "", md_table(["framework", "model", "CPU ms/step native",
+                                "CPU ms/step syncless", "syncless vs native", "95% CI"], rows)]
     lines += ["", "Every-step logging (small model, counted window):", ""]
     rows = []
     for s in results["sections"]:
@@ -472,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--small-rounds", type=int, default=None,
+                   help="rounds for the small models (default: --rounds)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--only", choices=["lightning", "hf"], default=None,
                    help="run one framework's sections")
@@ -524,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
         return text
 
-    run(device, args.quick, rounds, results, save, only={args.only} if args.only else None)
+    run(device, args.quick, rounds, results, save, only={args.only} if args.only else None,
+        small_rounds=args.small_rounds)
     text = save()
     print()
     print(text)
