@@ -450,8 +450,7 @@ def _same(c: dict) -> str:
         return "yes"
     det = c.get("deterministic") or {}
     if det.get("identical") and det.get("native_reproducible"):
-        return ("yes under deterministic algorithms (two default native runs differ too: "
-                "GPU kernels' own nondeterminism)")
+        return "yes, deterministic mode (default mode: native runs differ from each other too)"
     if c.get("native_reproducible") is False:
         d = c.get("max_rel_diff") or {}
         return (f"no: two native runs differ too (max rel. diff native/native "
