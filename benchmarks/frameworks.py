@@ -1,9 +1,12 @@
 """Lightning and the Hugging Face Trainer, native against syncless: syncs per step, step time,
 and whether the logged values are the same.
 
-    python benchmarks/frameworks.py                  # CUDA; about 3 minutes on an H200
-    python benchmarks/frameworks.py --quick          # 2 rounds, fewer steps
-    python benchmarks/frameworks.py --device cpu     # the script's logic on CPU (no syncs exist)
+    python -m benchmarks.frameworks                  # CUDA; about 3 minutes on an H200
+    python -m benchmarks.frameworks --quick          # 2 rounds, fewer steps
+    python -m benchmarks.frameworks --device cpu     # the script's logic on CPU (no syncs exist)
+    python -m benchmarks.frameworks --only hf --rounds 12 --keep benchmarks/results/frameworks.json
+                                                     # one framework again, more rounds; the
+                                                     # other's rows kept (and marked) from before
 
 For each framework, two models: a small one (the host's per-step work dominates, where a sync
 costs most) and a GPU-bound one. Data lives on the GPU already (pre-built batches), so that the
@@ -22,10 +25,17 @@ from; `stats.waits` of the syncless Logger counts any wait of the training threa
 The same runs give the logged values: Lightning's CSV file and the Trainer's log_history must be
 identical (wall-clock keys aside). An extra counted configuration logs every step
 (Lightning `log_every_n_steps=1`; HF `logging_steps=1` and `include_num_input_tokens_seen`).
-When they differ, a second native run tells whether the native run itself is reproducible.
+When they differ, a second native run tells whether the native run itself is reproducible, the
+table gives the largest relative difference of each pair, and (on CUDA) a child process runs the
+three again under torch.use_deterministic_algorithms(True) and the math attention backend:
+identical there means syncless changes no value, and the difference is the GPU kernels' own
+nondeterminism.
 Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; each run
 times its window between two device synchronizes; the table gives the median ms/step and the
-median of the per-round ratios syncless/native with its 95% confidence interval.
+median of the per-round ratios syncless/native with its 95% confidence interval (6 rounds at
+least), and the training thread's CPU time per step beside it. The small models' step is the
+host's work (about 200 kernels of a few µs, the GPU busy under a tenth of it), so their runs
+vary most (±10-20% run to run on the H200 host): --small-rounds gives them more rounds.
 """
 from __future__ import annotations
 
@@ -64,6 +74,7 @@ class Window:
         self.syncs = 0
         self.sites: dict[str, int] = {}
         self.seconds = None
+        self.cpu_seconds = None              # the training thread's CPU time in the window
         self._ctx = None
 
     def begin(self, i: int) -> None:
@@ -77,6 +88,7 @@ class Window:
         if self.cuda:
             torch.cuda.synchronize()
         self._t0 = time.perf_counter()
+        self._c0 = time.thread_time()
 
     def end(self, i: int) -> None:
         if i != self.stop:
@@ -93,6 +105,7 @@ class Window:
         if self.cuda:
             torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.thread_time() - self._c0
 
     @property
     def steps(self) -> int:
@@ -243,10 +256,41 @@ def _steps(quick: bool, model: str) -> tuple[int, int, int]:
     return (24, 6, 19) if quick else (60, 10, 49)
 
 
-def run(device: str, quick: bool, rounds: int, results: dict, save) -> dict:
-    """Fills results["sections"], calling save() after each one (a cut run keeps what it has)."""
+def _cells(values: list) -> list:
+    """The logged values as one flat list: HF log_history dicts (sorted keys) or CSV rows."""
+    out: list = []
+    for r in values:
+        out += [r[k] for k in sorted(r)] if isinstance(r, dict) else list(r)
+    return out
+
+
+def max_rel_diff(a: list, b: list) -> float | None:
+    """The largest relative difference between two runs' numeric cells (0.0: identical); None
+    when they do not line up (different rows, keys or non-numeric cells)."""
+    ca, cb = _cells(a), _cells(b)
+    if len(ca) != len(cb) or [sorted(r) for r in a if isinstance(r, dict)] != \
+            [sorted(r) for r in b if isinstance(r, dict)]:
+        return None
+    worst = 0.0
+    for x, y in zip(ca, cb):
+        if x == y:
+            continue
+        try:
+            fx, fy = float(x), float(y)
+        except (TypeError, ValueError):
+            return None
+        if fx != fy:
+            worst = max(worst, abs(fx - fy) / max(abs(fx), abs(fy), 1e-30))
+    return worst
+
+
+def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | None = None,
+        deterministic_check: bool = True, small_rounds: int | None = None) -> dict:
+    """Fills results["sections"], calling save() after each one (a cut run keeps what it has).
+    only: the frameworks to run ({"lightning", "hf"}; None: both); small_rounds: rounds for the
+    small models (the noisiest: the host's speed is their step time), default `rounds`."""
     cuda = device == "cuda"
-    results["sections"] = []
+    results.setdefault("sections", [])
     rng = random.Random(0)
     frameworks = {
         "lightning": (LIGHTNING_MODELS, _lightning_fit, {"log_every_n_steps=1": dict(log_every=1)}),
@@ -255,12 +299,14 @@ def run(device: str, quick: bool, rounds: int, results: dict, save) -> dict:
                    logging_steps=1, include_num_input_tokens_seen="all"))}),
     }
     for fw, (models, fit, extra_configs) in frameworks.items():
+        if only is not None and fw not in only:
+            continue
         for model_name, cfg in models.items():
             if device == "cpu" and model_name != "small":
                 continue                      # the CPU run checks the logic, not GPU-bound steps
             total, start, stop = _steps(quick, model_name)
             section = {"framework": fw, "model": model_name, "config": cfg, "steps": total,
-                       "window": [start, stop], "counts": {}}
+                       "window": [start, stop], "rounds": rounds, "counts": {}}
             print(f"{fw} / {model_name}: counting syncs and comparing values", flush=True)
             configs = {"default": {}}
             if model_name == "small":
@@ -280,66 +326,180 @@ def run(device: str, quick: bool, rounds: int, results: dict, save) -> dict:
                           f"{num(win.syncs / win.steps) if cuda else 'n/a (cpu)'}  "
                           f"{', '.join(f'{k} {v / win.steps:.2f}' for k, v in top)}", flush=True)
                 same = values["native"] == values["syncless"]
+                c = section["counts"][cname]
                 if not same:
                     # Is the native run itself reproducible? (GPU kernels with atomics, e.g.
-                    # flash attention's backward, are not bitwise deterministic.)
+                    # attention backward, are not bitwise deterministic.) A second native run,
+                    # and how far each pair is apart.
                     win = Window(start, stop, count=False, cuda=cuda)
                     with tempfile.TemporaryDirectory() as tmp:
                         again = fit(device, cfg, False, total, win, tmp=tmp, **ckw)["values"]
-                    section["counts"][cname]["native_reproducible"] = again == values["native"]
-                n_values = sum(len(r) for r in values["native"]) if values["native"] else 0
-                section["counts"][cname]["identical"] = same
-                section["counts"][cname]["values_compared"] = n_values
-                print(f"  {cname:28s} logged values identical: {_same(section['counts'][cname])} "
-                      f"({n_values} cells)", flush=True)
+                    c["native_reproducible"] = again == values["native"]
+                    c["max_rel_diff"] = {"native_vs_syncless": max_rel_diff(values["native"],
+                                                                            values["syncless"]),
+                                         "native_vs_native": max_rel_diff(values["native"], again)}
+                    if not c["native_reproducible"] and deterministic_check and cuda:
+                        c["deterministic"] = _deterministic_values(fw, model_name, cname, quick)
+                n_values = len(_cells(values["native"]))
+                c["identical"] = same
+                c["values_compared"] = n_values
+                print(f"  {cname:28s} logged values identical: {_same(c)} ({n_values} cells)",
+                      flush=True)
+
+            cpu_ms: dict = {"native": [], "syncless": []}
 
             def timed(variant: str):
                 def go() -> float:
                     win = Window(start, stop, count=False, cuda=cuda)
                     with tempfile.TemporaryDirectory() as tmp:
                         fit(device, cfg, variant == "syncless", total, win, tmp=tmp)
+                    cpu_ms[variant].append(win.cpu_seconds / win.steps * 1e3)
                     return win.seconds / win.steps * 1e3
                 return go
+            n_rounds = small_rounds if (small_rounds and model_name == "small") else rounds
+            section["rounds"] = n_rounds
             times = interleave({"native": timed("native"), "syncless": timed("syncless")},
-                               rounds, rng)
+                               n_rounds, rng)
             ratios = paired_ratios(times, "syncless", "native")
             section["ms_per_step"] = {k: summarize(v) for k, v in times.items()}
             section["raw_ms"] = times
+            # The training thread's CPU time per step: the host's work, sync waits included
+            # (CUDA spins while it waits), time the thread did not run excluded.
+            section["raw_cpu_ms"] = cpu_ms
+            section["cpu_ms_per_step"] = {k: summarize(v) for k, v in cpu_ms.items()}
+            section["cpu_ratio_ci"] = median_ci(paired_ratios(cpu_ms, "syncless", "native"))
             section["ratio"] = summarize(ratios)
             section["ratio_ci"] = median_ci(ratios)
             print(f"  step time native {num(section['ms_per_step']['native']['median'])} ms, "
                   f"syncless {num(section['ms_per_step']['syncless']['median'])} ms, "
                   f"syncless/native {pct(section['ratio']['median'])} "
-                  f"CI {pct_ci(section['ratio_ci'])} ({len(ratios)} rounds)", flush=True)
+                  f"CI {pct_ci(section['ratio_ci'])} ({len(ratios)} rounds); thread CPU "
+                  f"{num(section['cpu_ms_per_step']['native']['median'])} -> "
+                  f"{num(section['cpu_ms_per_step']['syncless']['median'])} ms, CI "
+                  f"{pct_ci(section['cpu_ratio_ci'])}", flush=True)
             results["sections"].append(section)
             save()
     return results
 
 
+def _deterministic_values(fw: str, model: str, cname: str, quick: bool) -> dict:
+    """The value comparison again in a fresh process with torch's deterministic algorithms
+    (CUBLAS_WORKSPACE_CONFIG must be set before cuBLAS starts, hence the process): native,
+    native again, syncless."""
+    import json
+    import subprocess
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", NCCL_NVLS_ENABLE="0")
+    cmd = [sys.executable, "-m", "benchmarks.frameworks", "--values-only",
+           f"{fw}:{model}:{cname}"] + (["--quick"] if quick else [])
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("VALUES ")]
+        if out.returncode != 0 or not line:
+            return {"error": (out.stderr or out.stdout)[-400:]}
+        return json.loads(line[-1][len("VALUES "):])
+    except Exception as exc:                 # the benchmark goes on; the table says why
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def values_only(spec: str, quick: bool) -> dict:
+    """--values-only fw:model:config: native twice and syncless once under
+    torch.use_deterministic_algorithms(True) with the math attention backend (flash and
+    memory-efficient attention accumulate their backward with atomics); are they identical?
+    An op with no deterministic version makes the strict mode raise: then warn_only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    out: dict = {}
+    for strict in (True, False):
+        torch.use_deterministic_algorithms(True, warn_only=not strict)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                out = _values_three_runs(spec, quick)
+            out["strict"] = strict
+            return out
+        except RuntimeError as exc:
+            if not strict or "determinis" not in str(exc):
+                raise
+            out["strict_error"] = str(exc)[:300]
+    return out
+
+
+def _values_three_runs(spec: str, quick: bool) -> dict:
+    fw, model, cname = spec.split(":", 2)
+    models, fit = (LIGHTNING_MODELS, _lightning_fit) if fw == "lightning" else (HF_MODELS,
+                                                                                _hf_train)
+    cfg = models[model]
+    total, start, stop = _steps(quick, model)
+    ckw: dict = {}
+    if cname != "default":
+        ckw = {"log_every_n_steps=1": dict(log_every=1),
+               "logging_steps=1 + tokens": dict(extra=dict(
+                   logging_steps=1, include_num_input_tokens_seen="all"))}[cname]
+    runs = []
+    for variant in (False, False, True):
+        win = Window(start, stop, count=False, cuda=torch.cuda.is_available())
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append(fit("cuda" if torch.cuda.is_available() else "cpu", cfg, variant, total,
+                            win, tmp=tmp, **ckw)["values"])
+    return {"native_reproducible": runs[0] == runs[1], "identical": runs[0] == runs[2],
+            "max_rel_diff": {"native_vs_syncless": max_rel_diff(runs[0], runs[2]),
+                             "native_vs_native": max_rel_diff(runs[0], runs[1])}}
+
+
 def _same(c: dict) -> str:
     if c["identical"]:
         return "yes"
+    det = c.get("deterministic") or {}
+    if det.get("identical") and det.get("native_reproducible"):
+        return "yes, deterministic mode (default mode: native runs differ from each other too)"
     if c.get("native_reproducible") is False:
-        return "no: two native runs differ too"
-    return "NO"
+        d = c.get("max_rel_diff") or {}
+        return (f"no: two native runs differ too (max rel. diff native/native "
+                f"{_sci(d.get('native_vs_native'))}, native/syncless "
+                f"{_sci(d.get('native_vs_syncless'))})")
+    d = c.get("max_rel_diff") or {}
+    return f"NO (max rel. diff {_sci(d.get('native_vs_syncless'))})" if d else "NO"
+
+
+def _sci(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1e}"
 
 
 def markdown(results: dict, env: dict) -> str:
     lines = [f"# Lightning and Hugging Face Trainer: native vs syncless ({env.get('gpu')})", "",
              f"torch {env.get('torch')}, lightning {env.get('lightning')}, transformers "
-             f"{env.get('transformers')}; {env.get('rounds')} interleaved rounds; command: "
+             f"{env.get('transformers')}; interleaved rounds (per row below); command: "
              f"`{env.get('command')}`", ""]
     rows = []
     for s in results["sections"]:
         c = s["counts"]["default"]
         ms = s["ms_per_step"]
+        rounds = s.get("rounds", len(s.get("raw_ms", {}).get("native", [])))
         rows.append([s["framework"], s["model"], num(c["native"]["syncs_per_step"]),
                      num(c["syncless"]["syncs_per_step"]), num(ms["native"]["median"]),
                      num(ms["syncless"]["median"]), pct(s["ratio"]["median"]),
-                     pct_ci(s["ratio_ci"]), _same(c)])
+                     pct_ci(s["ratio_ci"]), rounds, _same(c)])
     lines.append(md_table(["framework", "model", "syncs/step native", "syncs/step syncless",
                            "ms/step native", "ms/step syncless", "syncless vs native",
-                           "95% CI", "values identical"], rows))
+                           "95% CI", "rounds", "values identical"], rows))
+    kept: dict = {}
+    for s in results["sections"]:
+        if s.get("kept_from"):
+            kept.setdefault(s["kept_from"], []).append(f"{s['framework']} {s['model']}")
+    for src, names in kept.items():
+        lines += ["", f"Rows kept from an earlier run ({src}): {', '.join(names)}."]
+    rows = []
+    for s in results["sections"]:
+        cpu = s.get("cpu_ms_per_step")
+        if cpu:
+            ratio = summarize(paired_ratios(s["raw_cpu_ms"], "syncless", "native"))["median"]
+            rows.append([s["framework"], s["model"], num(cpu["native"]["median"]),
+                         num(cpu["syncless"]["median"]), pct(ratio), pct_ci(s["cpu_ratio_ci"])])
+    if rows:
+        lines += ["", "The training thread's CPU time per step in the same windows (the host's "
+                      "work; a sync's wait spins, so it counts here too, while time the thread "
+                      "was not running does not):",
+                  "", md_table(["framework", "model", "CPU ms/step native",
+                                "CPU ms/step syncless", "syncless vs native", "95% CI"], rows)]
     lines += ["", "Every-step logging (small model, counted window):", ""]
     rows = []
     for s in results["sections"]:
@@ -364,22 +524,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--small-rounds", type=int, default=None,
+                   help="rounds for the small models (default: --rounds)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--only", choices=["lightning", "hf"], default=None,
+                   help="run one framework's sections")
+    p.add_argument("--keep", default=None, metavar="JSON",
+                   help="with --only: keep the other framework's sections from this earlier "
+                        "result file (the table says so, with their date and rounds)")
+    p.add_argument("--values-only", default=None, metavar="FW:MODEL:CONFIG",
+                   help=argparse.SUPPRESS)   # the deterministic re-check's child process
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rounds = args.rounds or (2 if args.quick else 7)     # 7: the fewest with a 95% CI
+    rounds = args.rounds or (2 if args.quick else 7)     # 6: the fewest with a 95% CI
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.values_only:
+        import json
+        print("VALUES " + json.dumps(values_only(args.values_only, args.quick)), flush=True)
+        return 0
+    kept: list = []
+    if args.keep:
+        if args.only is None:
+            p.error("--keep needs --only (the framework that is run again)")
+        import json
+        with open(args.keep) as f:
+            earlier = json.load(f)
+        e = earlier.get("env", {})
+        for sec in earlier.get("sections", []):
+            if sec["framework"] != args.only:
+                sec["kept_from"] = (f"{e.get('time_utc', '?')}, git {e.get('git', '?')}, "
+                                    f"{len(sec.get('raw_ms', {}).get('native', []))} rounds")
+                kept.append(sec)
     t0 = time.time()
     import lightning
     import transformers
     env = env_info(torch.device(device), sys.argv[1:])
-    env["command"] = "python benchmarks/frameworks.py " + " ".join(sys.argv[1:])
+    env["command"] = "python -m benchmarks.frameworks " + " ".join(sys.argv[1:])
     env.update(lightning=lightning.__version__, transformers=transformers.__version__,
                rounds=rounds, quick=args.quick)
-    results: dict = {"env": env}
+    results: dict = {"env": env, "sections": kept}
     os.makedirs(args.out, exist_ok=True)
     name = "frameworks" if device == "cuda" and not args.quick else f"frameworks-{device}" \
         + ("-quick" if args.quick else "")
@@ -392,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
         return text
 
-    run(device, args.quick, rounds, results, save)
+    run(device, args.quick, rounds, results, save, only={args.only} if args.only else None,
+        small_rounds=args.small_rounds)
     text = save()
     print()
     print(text)

@@ -162,23 +162,26 @@ def test_without_the_per_step_logger(tmp_path):
     assert fast.state.num_input_tokens_seen == native.state.num_input_tokens_seen == 16 * 4 * 6
 
 
-def test_every_step_to_the_syncless_logger(tmp_path):
-    native, _ = _train(tmp_path, Trainer, logging_steps=1)
+@pytest.mark.parametrize("ga", [1, 2])
+def test_every_step_to_the_syncless_logger(tmp_path, ga):
+    # ga=1: the micro-batch's loss tensor is logged as it is; ga=2: the sum of the two.
+    native, _ = _train(tmp_path, Trainer, logging_steps=1, gradient_accumulation_steps=ga)
     rows = []
     sink = syncless.sinks.Callback(lambda step, t, values: rows.append((step, values)))
     torch.manual_seed(0)
     args = TrainingArguments(output_dir=str(tmp_path / "s"), per_device_train_batch_size=4,
                              num_train_epochs=1, logging_steps=5, report_to=[], use_cpu=True,
-                             save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-2)
+                             save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-2,
+                             gradient_accumulation_steps=ga)
     fast = SynclessTrainer(model=Tiny(), args=args, train_dataset=Data(), syncless_every=4,
                            syncless_sinks=[sink])
     fast.train()
     per_step = [d for d in native.state.log_history if "loss" in d]
-    assert [r[0] for r in rows] == [d["step"] for d in per_step] == list(range(1, 17))
+    assert [r[0] for r in rows] == [d["step"] for d in per_step] == list(range(1, 16 // ga + 1))
     for r, d in zip(rows, per_step):
         assert r[1] == {"loss": d["loss"], "grad_norm": d["grad_norm"],
                             "learning_rate": d["learning_rate"], "epoch": d["epoch"]}
-    assert fast.syncless.closed and fast.syncless.stats.steps == 16
+    assert fast.syncless.closed and fast.syncless.stats.steps == 16 // ga
 
 
 def test_tensorboard_report_to_identical(tmp_path, monkeypatch):
