@@ -24,7 +24,6 @@ import json
 import os
 import pstats
 import random
-import sys
 import time
 
 import torch
@@ -42,12 +41,7 @@ class Rows:
         self.steps.extend(r.step for r in rows)
 
 
-_noop_token = None
-
-
 def noop_op():
-    global _noop_token
-
     @torch.library.custom_op("syncless_diag::noop", mutates_args=("token",))
     def noop(token: torch.Tensor, values: list[torch.Tensor], site: int,
              step: int | None) -> None:

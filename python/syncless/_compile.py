@@ -58,13 +58,14 @@ def track(logger: Any) -> None:
 # ---- call sites --------------------------------------------------------------------------------
 
 class _Site:
-    __slots__ = ("logger_id", "logger", "names", "device", "host_tensors", "token")
+    __slots__ = ("logger_id", "logger", "names", "numbers", "device", "host_tensors", "token")
 
-    def __init__(self, logger: Any, names: tuple, device: str, host_tensors: bool,
-                 token: torch.Tensor):
+    def __init__(self, logger: Any, names: tuple, numbers: tuple, device: str,
+                 host_tensors: bool, token: torch.Tensor):
         self.logger_id = id(logger)
         self.logger = weakref.ref(logger)
         self.names = names
+        self.numbers = numbers              # per name: a Python number (a graph constant)?
         self.device = device
         self.host_tensors = host_tensors    # read at capture, replayed unchanged: refused there
         self.token = token
@@ -119,9 +120,13 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
                            "live syncless.Logger")
     # Bad names, closed loggers and mixed devices are refused when the op runs, by the eager
     # path, with its errors: an exception raised here would reach the user wrapped by Dynamo.
+    devices = tuple(str(d) for d in devices)             # torch.device objects, or "number"
     cuda = [d for d in devices if d.startswith("cuda")]
-    device = cuda[0] if cuda else "cpu"
     host_tensors = "cpu" in devices
+    numbers = tuple(d == "number" for d in devices)
+    # The token lives with the values; a call of numbers only, with the logger (a CPU token in
+    # a CUDA graph would make cudagraph trees skip the graph).
+    device = cuda[0] if cuda else "cpu" if host_tensors else str(logger.device)
     if cuda and logger._ring is None and not logger.closed:
         # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
         # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
@@ -131,7 +136,7 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     if index is not None and _sites[index].logger() is logger:
         return index
     index = len(_sites)
-    _sites.append(_Site(logger, names, device, host_tensors, _token(logger, device)))
+    _sites.append(_Site(logger, names, numbers, device, host_tensors, _token(logger, device)))
     setattr(_by_site, f"t{index}", _sites[index].token)
     _keys[key] = index
     return index
@@ -147,7 +152,7 @@ _CAPTURED_HOST = ("metrics {names!r}: a CPU tensor inside a CUDA graph would log
                   "capture on every replay; log it outside the graph or move it to the GPU")
 
 
-def _run(index: int, values: list, step: Optional[int]) -> None:
+def _run(index: int, values: list, numbers: list, step: Optional[int]) -> None:
     site = _sites[index]
     logger = site.logger()
     if logger is None:
@@ -158,17 +163,20 @@ def _run(index: int, values: list, step: Optional[int]) -> None:
     if ring is not None and (step is not None or site.host_tensors) and ring.capturing():
         raise RuntimeError(_CAPTURED_STEP if step is not None
                            else _CAPTURED_HOST.format(names=site.names))
-    logger.log(dict(zip(site.names, values)), step)
+    tensors, floats = iter(values), iter(numbers)
+    # A number is a constant of the graph: the gather takes it as an immediate (no kernel).
+    logger.log({name: next(floats) if number else next(tensors)
+                for name, number in zip(site.names, site.numbers)}, step)
 
 
 if hasattr(torch.library, "custom_op"):                  # torch >= 2.4
     @torch.library.custom_op("syncless::log", mutates_args=("token",))
-    def _log_op(token: torch.Tensor, values: list[torch.Tensor], site: int,
-                step: Optional[int]) -> None:
-        _run(site, values, step)
+    def _log_op(token: torch.Tensor, values: list[torch.Tensor], numbers: list[float],
+                site: int, step: Optional[int]) -> None:
+        _run(site, values, numbers, step)
 
     @_log_op.register_fake
-    def _log_fake(token, values, site, step):
+    def _log_fake(token, values, numbers, site, step):
         return None
 else:
     _log_op = None
@@ -176,32 +184,59 @@ else:
 
 # ---- what Dynamo traces ------------------------------------------------------------------------
 
-def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
-    """Logger.log while Dynamo traces: one syncless::log op in the graph."""
-    if _log_op is None:
-        raise RuntimeError("syncless: log() inside torch.compile needs torch >= 2.4 "
-                           f"(torch.library.custom_op); this is torch {torch.__version__}")
-    if isinstance(step, bool) or not (step is None or isinstance(step, int)):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
-    names = tuple(metrics)
-    items = list(metrics.values())
-    cuda = None
-    for v in items:
-        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            cuda = str(v.device)
-            break
-    device = _number_device(id(logger), cuda)
-    values = []
-    devices = []
-    for v in items:
-        if not isinstance(v, torch.Tensor):
-            # A Python number: a graph value (a constant, or a symbolic one Dynamo made dynamic),
-            # made on the logger's device so that a CUDA graph does not skip a CPU op.
-            v = torch.full((), v, dtype=torch.float64, device=device)
-        values.append(v)
-        devices.append(str(v.device))
-    index = _site(id(logger), names, tuple(devices))
-    _log_op(getattr(_by_site, f"t{index}"), values, index, step)
+def _traced_log():
+    """Logger.log while Dynamo traces, as a closure: what it uses is in its cells, so the trace
+    reads no global of this module (Dynamo would then reach this module both as the logger's
+    `_compile` and under its own name, and guard that they are one object with a Python lambda
+    run before every call of the compiled code) and guards one object per cell. Python numbers
+    go to the op as floats, graph constants, not as tensors made in the graph (a kernel each)."""
+    op = _log_op._opoverload if _log_op is not None else None
+    site_of, number_device, tokens = _site, _number_device, _by_site
+    Tensor, full, float64 = torch.Tensor, torch.full, torch.float64
+
+    def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
+        if op is None:
+            raise RuntimeError("syncless: log() inside torch.compile needs torch >= 2.4 "
+                               f"(torch.library.custom_op); this is torch {torch.__version__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        names = tuple(metrics)
+        values = []
+        numbers = []
+        kinds = []                                   # per name: a device, "number" or None
+        cuda = None
+        for v in metrics.values():
+            if isinstance(v, Tensor):
+                values.append(v)
+                kinds.append(v.device)
+                if cuda is None and v.device.type == "cuda":
+                    cuda = v.device
+            elif isinstance(v, (int, float)):        # bool too
+                numbers.append(float(v))             # a guarded constant of the graph
+                kinds.append("number")
+            else:
+                # Anything else (a NumPy number, a bad value): a graph value made by torch.full
+                # on the logger's device (a CPU op would make a CUDA graph skip), which refuses
+                # what is not a number.
+                values.append(v)
+                kinds.append(None)
+        if None in kinds:
+            device = number_device(id(logger), None if cuda is None else str(cuda))
+            j = 0
+            for i, k in enumerate(kinds):
+                if k == "number":
+                    continue
+                if k is None:
+                    values[j] = full((), values[j], dtype=float64, device=device)
+                    kinds[i] = values[j].device
+                j += 1
+        index = site_of(id(logger), names, tuple(kinds))
+        op(getattr(tokens, f"t{index}"), values, numbers, index, step)
+
+    return log
+
+
+log = _traced_log()
 
 
 # ---- the timer ---------------------------------------------------------------------------------
