@@ -282,7 +282,8 @@ def section(kind, base, batches, device, mode, rounds, sync, train):
                          "host_calls": st.steps, "captured": captured,
                          "steps_exact": v.sink.steps == list(range(v.steps)), "lost": st.lost,
                          "last_loss_exact": v.sink.last is not None
-                         and v.sink.last.values["loss"] == v.last_loss}
+                         and v.sink.last.values["loss"] == v.last_loss
+                         and v.sink.last.values["lr"] == 0.01}
     return results
 
 
