@@ -6,8 +6,9 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
 
 * At trace time `_site()` runs as real Python (torch._dynamo.assume_constant_result): it records
   the call site (the logger and the metric names) and returns its number, a constant of the
-  graph, like the names. Values are graph tensors; a Python number becomes a 0-dim float64 tensor
-  on the logger's device. The trace reads none of the logger's state (steps, columns), so new
+  graph, like the names. Tensor values are graph tensors; a Python number goes to the op as a
+  float, a constant of the graph (a tensor made in the graph would be a kernel on every step;
+  the gather takes the number as an immediate). The trace reads none of the logger's state (steps, columns), so new
   values and metrics logged elsewhere never recompile; a new metric name inside the compiled
   region needs no eager call first: it gets its column when the op first runs. Dynamo's own
   rules still apply to what the user passes: an explicit step= int is specialised at the first
@@ -24,9 +25,19 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   appends one row whose step is the capture step + the replay index, counted on the device; the
   host sees no replay, so flushes wait for the next eager log() or flush() and rows overwritten
   before one are counted in stats.lost: call log.flush(wait=False) every few hundred steps.
-  The host's step counter stays at capture step + 1, so an eager log() on the same logger after
-  replays needs an explicit step. An explicit step= or a CPU tensor under capture would be
-  replayed unchanged, so both are refused there with an error.
+  The host never learns how many replays ran (only the device's per-call replay counter knows,
+  and reading it would be a sync), so after replays `log.last_step` is still the capture step
+  and an eager log() without step= on the same logger takes capture step + 1: a step the
+  replays already wrote. An eager log() after replays needs an explicit step= (the loop's own
+  counter), and so does a second capture (cudagraph trees re-record when input addresses or
+  shapes change): its replays count from the stale host step. An explicit step= or a CPU tensor
+  under capture would be replayed unchanged, so both are refused there with an error.
+* What a replay costs is measured, not assumed: benchmarks/results/compile_step.md (and the
+  breakdown in compile_diag.md). The token is a static input (its address checked in C++ with
+  the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
+  output; the op's share is its gather kernel, the token and the guards; the larger share is
+  the rows' delivery (decoding, Row objects, sinks) on the logger's thread, which shares the
+  GIL with the training thread.
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
