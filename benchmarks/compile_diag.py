@@ -172,9 +172,13 @@ def tree_nodes(device):
             stack = list(nodes)
             while stack:
                 node = stack.pop()
-                out.append({"fn": str(fid), "inputs": len(getattr(node, "static_input_data_ptrs", [])), "static_input_idxs": list(node.static_input_idxs),
-                            "outputs": len(node.outputs_metadata),
-                            "non_managed_static": list(getattr(node, "non_managed_static_input_idxs", []))})
+                out.append({
+                    "fn": str(fid),
+                    "inputs": len(getattr(node, "static_input_data_ptrs", [])),
+                    "static_input_idxs": list(node.static_input_idxs),
+                    "outputs": len(node.outputs_metadata),
+                    "non_managed_static": list(getattr(node, "non_managed_static_input_idxs",
+                                                       []))})
                 for kids in node.children.values():
                     stack.extend(kids)
         return out

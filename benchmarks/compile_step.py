@@ -359,7 +359,8 @@ def eager_costs(device, calls, rounds):
             log.flush()
     log.close()
     loop = summarize(out["empty loop"])["median"]
-    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items() if name != "empty loop"}
+    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items()
+           if name != "empty loop"}
     return res
 
 

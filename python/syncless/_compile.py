@@ -8,13 +8,13 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   the call site (the logger and the metric names) and returns its number, a constant of the
   graph, like the names. Tensor values are graph tensors; a Python number goes to the op as a
   float, a constant of the graph (a tensor made in the graph would be a kernel on every step;
-  the gather takes the number as an immediate). The trace reads none of the logger's state (steps, columns), so new
-  values and metrics logged elsewhere never recompile; a new metric name inside the compiled
-  region needs no eager call first: it gets its column when the op first runs. Dynamo's own
-  rules still apply to what the user passes: an explicit step= int is specialised at the first
-  trace and made dynamic at the second value (one recompile), and a Python number read from
-  changing state (a scheduler's lr) is a guarded constant that recompiles when it changes: log
-  it outside the compiled function, or as a tensor.
+  the gather takes the number as an immediate). The trace reads none of the logger's state
+  (steps, columns), so new values and metrics logged elsewhere never recompile; a new metric
+  name inside the compiled region needs no eager call first: it gets its column when the op
+  first runs. Dynamo's own rules still apply to what the user passes: an explicit step= int is
+  specialised at the first trace and made dynamic at the second value (one recompile), and a
+  Python number that changes (a scheduler's lr) is a guarded constant that recompiles when it
+  changes: log it outside the compiled function, or as a tensor.
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
