@@ -53,6 +53,10 @@ def noop_op():
     return noop
 
 
+def slug(name):
+    return name.replace(" ", "_").replace("()", "").replace(",", "")
+
+
 def make_forward(model, log, how, op, token):
     def forward(x, y):
         logits = model(x)
@@ -138,7 +142,8 @@ def profile_kernels(v, batches, sync, n):
         dev = getattr(e, "device_type", None)
         if dev is not None and dev.name == "CUDA" or getattr(e, "is_kernel", False):
             kernels += 1
-            kernel_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            kernel_us += (e.device_time_total if hasattr(e, "device_time_total")
+                          else e.cuda_time_total)
         elif e.name.startswith("cuda") or e.name.startswith("cu"):
             api[e.name] = api.get(e.name, 0) + 1
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
@@ -215,7 +220,8 @@ def section(kind, base, batches, device, mode, rounds, sync, names, op, token, o
                      "vs_metrics": summarize(rm)["median"] if rm else None}
         vm = "" if not rm else f"{100 * (res[name]['vs_metrics'] - 1):+.2f}%"
         print(f"  [{kind}] {name:18s} wall {res[name]['wall_us']:8.1f} us  host "
-              f"{res[name]['host_us']:8.1f} us  vs no log {100 * (res[name]['vs_no_log'] - 1):+.2f}% "
+              f"{res[name]['host_us']:8.1f} us  vs no log "
+              f"{100 * (res[name]['vs_no_log'] - 1):+.2f}% "
               f"CI {res[name]['ci']}  vs metrics {vm}", flush=True)
     if prof:
         for name in names:
@@ -223,7 +229,7 @@ def section(kind, base, batches, device, mode, rounds, sync, names, op, token, o
                 k, table = profile_kernels(variants[name], batches, sync, 20)
                 res[name]["profile"] = k
                 print(f"  [{kind}] {name}: {json.dumps(k)}", flush=True)
-                with open(os.path.join(out, f"prof_{kind}_{name.replace(' ', '_').replace('()', '').replace(',', '')}.txt"), "w") as f:
+                with open(os.path.join(out, f"prof_{kind}_{slug(name)}.txt"), "w") as f:
                     f.write(table)
             except Exception as exc:
                 print(f"  profile {name} failed: {exc!r}", flush=True)
@@ -231,7 +237,7 @@ def section(kind, base, batches, device, mode, rounds, sync, names, op, token, o
         for name in names:
             c, text = cprofile_counts(variants[name], batches, 200)
             counts[name] = c
-            with open(os.path.join(out, f"cprof_{kind}_{name.replace(' ', '_').replace('()', '').replace(',', '')}.txt"), "w") as f:
+            with open(os.path.join(out, f"cprof_{kind}_{slug(name)}.txt"), "w") as f:
                 f.write(text)
         ref = counts.get("metrics returned", {})
         for name in names:
@@ -243,10 +249,12 @@ def section(kind, base, batches, device, mode, rounds, sync, names, op, token, o
                 if abs(nc - base_nc) > 0.01 or tt - base_tt > 0.3:
                     diff.append((tt - base_tt, key, nc, base_nc, tt, base_tt))
             diff.sort(reverse=True)
-            lines = [f"{d:+8.2f} us/step  {key}  calls/step {nc:.2f} vs {bnc:.2f}  tottime {tt:.2f} vs {btt:.2f}"
+            lines = [f"{d:+8.2f} us/step  {key}  calls/step {nc:.2f} vs {bnc:.2f}  "
+                     f"tottime {tt:.2f} vs {btt:.2f}"
                      for d, key, nc, bnc, tt, btt in diff[:40]]
             res[name]["cprofile_diff"] = lines
-            print(f"  [{kind}] cProfile diff {name} vs metrics returned:\n    " + "\n    ".join(lines[:25]), flush=True)
+            print(f"  [{kind}] cProfile diff {name} vs metrics returned:\n    "
+                  + "\n    ".join(lines[:25]), flush=True)
     res["tree_nodes"] = tree_nodes(device)
     print(f"  [{kind}] tree nodes: {res['tree_nodes']}", flush=True)
     for v in variants.values():
