@@ -4,23 +4,33 @@
 
 Two sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
 on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
-(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Four
+(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Five
 variants of the compiled forward, each with its own model copy and Logger:
   no log           the forward and loss alone: the floor
   metrics returned the same plus the metrics (accuracy, logit scale) computed and returned as
-                   outputs, not logged: what the metrics themselves cost the GPU
+                   outputs, not logged: what the metrics themselves cost
   log() inside     log(loss=, acc=, scale=, lr=) inside the compiled forward: the
                    syncless::log custom op, captured in the CUDA graph (0 graph breaks);
-                   log.flush(wait=False) every 100 steps outside it, since replays do not flush
+                   log.flush(wait=False) once per block of FLUSH_EVERY steps, mid-block, since
+                   replays do not flush: the rows reach the sink while the loop runs
+  log(), delivered apart
+                   the same op, but the block's rows are flushed and delivered after its clock
+                   stopped (flush(), waiting): the op's own cost in the graph, without the
+                   delivery. A diagnostic, not a way to use the logger
   graph break      the same log() wrapped in torch.compiler.disable: what a graph break
                    amounts to (the graph splits around an eager log() call, as before the op)
-Interleaved rounds: each round runs a block of steps of every variant in a shuffled order,
-synchronising before and after a block; medians over rounds, and per-round ratios to "no log"
-and to "metrics returned" with the 95% confidence interval of their median. The host log()
-calls of a variant (Logger.stats.steps) show whether the gather was replayed inside the CUDA
-graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are counted by
-torch._dynamo.explain on a copy of each forward. Every logged row is checked: steps 0..n-1 in
-order, none lost, and the last row's loss equal to the last step's.
+Interleaved rounds: each round runs a block of FLUSH_EVERY steps of every variant in a shuffled
+order, synchronising before and after a block, with the garbage collector off inside blocks
+(collected between them: a collection landing in one variant's block is noise, not its cost).
+A block is one flush period, so every block of a logging variant carries exactly one flush and
+its delivery. Medians over rounds, and per-round ratios to "no log" and to "metrics returned"
+with the 95% confidence interval of their median. Per variant also the training thread's CPU
+time per step and, for the loggers, the delivery thread's CPU time per row (it shares the GIL
+with the training thread). The host log() calls of a variant (Logger.stats.steps) show whether
+the gather was replayed inside the CUDA graph (a few calls: warm-up and recording) or ran on
+the host every step. Graph breaks are counted by torch._dynamo.explain on a copy of each
+forward. Every logged row is checked: steps 0..n-1 in order, none lost, and the last row's loss
+equal to the last step's.
 
 Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
 in front of it), the same row through the custom op called eagerly (the dispatcher's cost), and
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import random
 import sys
@@ -46,7 +57,9 @@ from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratio
                                 pct, pct_ci, summarize, write_json)
 
 FLUSH_EVERY = 100
-NAMES = ["no log", "metrics returned", "log() inside", "graph break"]
+DELIVERED_APART = "log(), delivered apart"
+NAMES = ["no log", "metrics returned", "log() inside", DELIVERED_APART, "graph break"]
+LOGGING = ("log() inside", DELIVERED_APART, "graph break")
 SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
                            "graph) and foreach SGD",
                   "infer": "inference step (no_grad): the whole compiled step, one CUDA graph"}
@@ -86,7 +99,7 @@ def make_forward(model, log, how):
         scale = logits.abs().mean()
         if how == "metrics returned":
             return loss, acc, scale
-        (log if how == "log() inside" else eager_log)(loss=loss, acc=acc, scale=scale, lr=0.01)
+        (eager_log if how == "graph break" else log)(loss=loss, acc=acc, scale=scale, lr=0.01)
         return loss
 
     return forward
@@ -112,15 +125,19 @@ class Variant:
             self.model.requires_grad_(False)
         self.sink = Rows()
         self.log = None
-        if name in ("log() inside", "graph break"):
+        if name in LOGGING:
             self.log = syncless.Logger(every=FLUSH_EVERY, sinks=self.sink,
                                        capacity=4 * FLUSH_EVERY)
         self.fn = torch.compile(make_forward(self.model, self.log, name), mode=mode)
         self.params = [p for p in self.model.parameters()]
         self.steps = 0
         self.last_loss = None
+        self.flush_s = []
 
-    def step(self, x, y):
+    def sink_rows(self):
+        return len(self.sink.steps)
+
+    def step(self, x, y, flush=False):
         torch.compiler.cudagraph_mark_step_begin()
         if self.train:
             loss = self.fn(x, y)
@@ -138,20 +155,45 @@ class Variant:
             if isinstance(loss, tuple):
                 loss = loss[0]
         self.steps += 1
-        if self.name == "log() inside" and self.steps % FLUSH_EVERY == 0:
+        if flush and self.name == "log() inside":
+            t0 = time.perf_counter()
             self.log.flush(wait=False)                   # enqueues one copy; never waits
+            self.flush_s.append(time.perf_counter() - t0)
         return loss
+
+    def delivery_cpu(self):
+        """CPU seconds the Logger's delivery thread used so far (0 before it started)."""
+        thread = self.log._delivery._thread if self.log is not None else None
+        if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except OSError:
+            return 0.0
 
 
 def block(variant, batches, sync):
-    sync()
-    t0 = time.perf_counter()
-    loss = None
-    for x, y in batches:
-        loss = variant.step(x, y)
-    sync()
+    """µs per step (wall) and the training thread's CPU µs per step, over one block."""
+    mid = len(batches) // 2
+    gc.collect()
+    gc.disable()
+    try:
+        sync()
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        loss = None
+        for i, (x, y) in enumerate(batches):
+            loss = variant.step(x, y, flush=i == mid)
+        sync()
+        t1 = time.perf_counter()
+        c1 = time.thread_time()
+    finally:
+        gc.enable()
     variant.last_loss = float(loss.detach())
-    return (time.perf_counter() - t0) / len(batches) * 1e6
+    if variant.name == DELIVERED_APART:
+        variant.log.flush()                              # after the clock: delivered apart
+    n = len(batches)
+    return (t1 - t0) / n * 1e6, (c1 - c0) / n * 1e6
 
 
 def tree_state(device):
@@ -174,10 +216,9 @@ def tree_state(device):
             "checkpoints": getattr(manager, "debug_checkpointing_counter", None)}
 
 
-def section(kind, base, batches, device, mode, rounds, sync):
-    """One interleaved comparison of the three variants; kind: 'train' or 'infer'."""
+def section(kind, base, batches, device, mode, rounds, sync, train):
+    """One interleaved comparison of the variants."""
     from torch._dynamo.utils import counters
-    train = kind == "train"
     names = NAMES
     with torch.set_grad_enabled(train):
         breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
@@ -189,17 +230,31 @@ def section(kind, base, batches, device, mode, rounds, sync):
         before = counters["inductor"]["cudagraph_skips"]
         block(v, batches[:3], sync)
         skips[name] = counters["inductor"]["cudagraph_skips"] - before
+        if v.log is not None:
+            v.log.flush()                                # rows of the warm-up: not timed
     trees_before = tree_state(device)
     rng = random.Random(0)
     per_step = {name: [] for name in names}
+    cpu_step = {name: [] for name in names}
+    delivery = {name: [variants[name].delivery_cpu(), variants[name].sink_rows()]
+                for name in names}
     for r in range(rounds):
         order = names[:]
         rng.shuffle(order)
         for name in order:
-            per_step[name].append(block(variants[name], batches, sync))
+            wall, cpu = block(variants[name], batches, sync)
+            per_step[name].append(wall)
+            cpu_step[name].append(cpu)
         if r == 0 or (r + 1) % 10 == 0:
             print(f"  [{kind}] round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
+    for name in names:
+        v = variants[name]
+        if v.log is not None:
+            v.log.flush()
+        cpu0, rows0 = delivery[name]
+        rows = v.sink_rows() - rows0
+        delivery[name] = (v.delivery_cpu() - cpu0) / rows * 1e6 if rows else None
     trees_after = tree_state(device)
     results = {"cudagraph_trees": {"after_warmup": trees_before, "after_rounds": trees_after}}
     for name in names:
@@ -213,6 +268,10 @@ def section(kind, base, batches, device, mode, rounds, sync):
                              "ratio_ci95": list(ci) if ci else None,
                              "ratio_to_metrics": summarize(to_metrics),
                              "ratio_to_metrics_ci95": list(ci_metrics) if ci_metrics else None,
+                             "cpu_us_per_step": summarize(cpu_step[name]),
+                             "delivery_cpu_us_per_row": delivery[name],
+                             "flush_call_us": summarize([t * 1e6 for t in v.flush_s])
+                             if v.flush_s else None,
                              "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
                              "cudagraph_skips": skips[name] if device.type == "cuda" else None}
         if v.log is not None:
@@ -223,21 +282,24 @@ def section(kind, base, batches, device, mode, rounds, sync):
                          "host_calls": st.steps, "captured": captured,
                          "steps_exact": v.sink.steps == list(range(v.steps)), "lost": st.lost,
                          "last_loss_exact": v.sink.last is not None
-                         and v.sink.last.values["loss"] == v.last_loss}
+                         and v.sink.last.values["loss"] == v.last_loss
+                         and v.sink.last.values["lr"] == 0.01}
     return results
 
 
 def section_table(results, cuda):
-    names = NAMES
     rows = []
-    for name in names:
+    for name in NAMES:
         r = results[name]
         c = r.get("rows")
+        d = r.get("delivery_cpu_us_per_row")
         row = [name, num(r["step_us"]["median"]),
                "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
                "" if name == "no log" else pct_ci(r["ratio_ci95"]),
                "" if name in ("no log", "metrics returned") else
                f"{pct(r['ratio_to_metrics']['median'], 2)} {pct_ci(r['ratio_to_metrics_ci95'])}",
+               num(r["cpu_us_per_step"]["median"]),
+               "" if d is None else num(d),
                r["graph_breaks"], r["graphs"]]
         if cuda:
             row.append(r["cudagraph_skips"])
@@ -247,8 +309,10 @@ def section_table(results, cuda):
                    f"host calls={c['host_calls']}")
         rows.append(row)
     return md_table(["variant", "µs per step (median)", "vs no log", "95% CI",
-                     "vs metrics returned (95% CI)", "graph breaks", "graphs"] + (["cudagraph skips"] if cuda else []) +
-                    ["rows (delivered/steps, host log() calls)"], rows)
+                     "vs metrics returned (95% CI)", "training thread CPU µs per step",
+                     "delivery thread CPU µs per row", "graph breaks", "graphs"]
+                    + (["cudagraph skips"] if cuda else [])
+                    + ["rows (delivered/steps, host log() calls)"], rows)
 
 
 def eager_costs(device, calls, rounds):
@@ -270,7 +334,7 @@ def eager_costs(device, calls, rounds):
 
     def through_op():
         for _ in range(calls):
-            op(token, values, site, None)
+            op(token, values, [], site, None)
 
     def check():
         tracing = _compile.tracing
@@ -295,89 +359,114 @@ def eager_costs(device, calls, rounds):
             log.flush()
     log.close()
     loop = summarize(out["empty loop"])["median"]
-    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items() if name != "empty loop"}
+    res = {name: summarize([v - loop for v in vs]) for name, vs in out.items()
+           if name != "empty loop"}
     return res
+
+
+SECTIONS = {
+    # kind: (title, train, width, depth, batch, rounds, steps per block)
+    "infer": (SECTION_TITLES["infer"], False, 512, 4, 256, 30, FLUSH_EVERY),
+    "train": (SECTION_TITLES["train"], True, 512, 4, 256, 20, FLUSH_EVERY),
+    "train-gpu-bound": ("training step, GPU-bound (MLP 4×4096, batch 512): the GPU, not the "
+                        "host, sets the pace, as in most real training", True, 4096, 4, 512, 8,
+                        FLUSH_EVERY // 2),
+}
+
+
+def write_out(out, env, args_used, sections, eager, verdict, tables, etable, mode):
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "compile_step.json"),
+               {"env": env, "sections": sections, "eager_us": eager, "verdict": verdict})
+    with open(os.path.join(out, "compile_step.md"), "w", encoding="utf-8") as f:
+        f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
+                f"{env['date']}\n\n"
+                f"Compiled forward+loss (mode={mode!r}); interleaved rounds, each a block of "
+                f"steps per variant (`{env['command']}`).\n\n"
+                + "".join(f"## {SECTIONS[k][0]}\n\n{t}\n\n" for k, t in tables.items())
+                + (f"## eager per-call cost\n\n{etable}\n\n" if etable else "")
+                + "\n".join(f"- {v}" for v in verdict) + "\n")
+
+
+def section_verdict(kind, res):
+    inside, apart, brk = res["log() inside"], res[DELIVERED_APART], res["graph break"]
+    return (f"{kind}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
+            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); "
+            f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
+            f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; the op without the "
+            f"rows' delivery {pct(apart['ratio_to_no_log']['median'], 2)}, 95% CI "
+            f"{pct_ci(apart['ratio_ci95'])}; delivery thread "
+            f"{num(inside['delivery_cpu_us_per_row'])} µs CPU per row; "
+            f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} host log() "
+            f"calls for {inside['rows']['steps_taken']} rows; graph-breaking log() "
+            f"{pct(brk['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(brk['ratio_ci95'])}, "
+            f"{brk['graph_breaks']} graph break(s)")
 
 
 def main(argv=None):
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few rounds: a smoke test")
+    p.add_argument("--quick", action="store_true", help="few rounds, small models: a smoke test")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="steps per block")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--sections", default="infer,train", help="comma-separated: infer, train")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of every section")
+    p.add_argument("--sections", default="infer,train,train-gpu-bound",
+                   help="comma-separated: " + ", ".join(SECTIONS))
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
-                   help="directory for compile_step.json/.md (default benchmarks/results)")
+                   help="directory for compile_step.json/.md (default benchmarks/results); "
+                        "rewritten after every section")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    rounds = args.rounds or (6 if args.quick else 30)
-    steps = args.steps or (20 if args.quick else 50)
     mode = "reduce-overhead" if cuda else None
     kinds = [k for k in args.sections.split(",") if k]
+    for k in kinds:
+        if k not in SECTIONS:
+            p.error(f"unknown section {k!r}; choose from {', '.join(SECTIONS)}")
     for key in ("recompile_limit", "cache_size_limit"):   # one code object, many closures
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, 64)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    argv_used = sys.argv[1:] if argv is None else argv
+    env = env_info(device, ["compile_step", *argv_used])
+    env["command"] = " ".join(["python", "-m", "benchmarks.compile_step", *argv_used])
+    env.update(mode=mode, flush_every=FLUSH_EVERY, sections_config={
+        k: dict(zip(("title", "train", "width", "depth", "batch", "rounds", "steps"), v))
+        for k, v in SECTIONS.items() if k in kinds})
 
-    base = make_model(device, args.width, args.depth)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
-                torch.randint(0, 10, (args.batch,), generator=gen).to(device))
-               for _ in range(steps)]
-    sections = {}
+    sections, tables, verdict = {}, {}, []
     for kind in kinds:
-        sections[kind] = section(kind, base, batches, device, mode, rounds, sync)
+        _, train, width, depth, batch, rounds, steps = SECTIONS[kind]
+        if args.quick:
+            width, depth, batch, rounds, steps = min(width, 64), 1, min(batch, 32), 4, 20
+        rounds = args.rounds or rounds
+        base = make_model(device, width, depth)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        batches = [(torch.randn(batch, width, generator=gen).to(device),
+                    torch.randint(0, 10, (batch,), generator=gen).to(device))
+                   for _ in range(steps)]
+        res = section(kind, base, batches, device, mode, rounds, sync, train)
+        res["config"] = {"width": width, "depth": depth, "batch": batch, "rounds": rounds,
+                         "steps_per_block": steps}
+        sections[kind] = res
         torch._dynamo.reset()
+        tables[kind] = section_table(res, cuda)
+        verdict.append(section_verdict(kind, res))
+        print(f"[{kind}]\n{tables[kind]}\n- {verdict[-1]}", flush=True)
+        if args.out:
+            write_out(args.out, env, argv_used, sections, None, verdict, tables, None, mode)
 
     eager = eager_costs(device, 2000 if not args.quick else 300, 15 if not args.quick else 4)
-    tables = {kind: section_table(res, cuda) for kind, res in sections.items()}
     etable = md_table(["eager call", "µs per call (median)", "p25–p75"],
                       [[k, num(v["median"]), f"{num(v['p25'])}–{num(v['p75'])}"]
                        for k, v in eager.items()])
-    verdict = []
-    for kind, res in sections.items():
-        inside, brk = res["log() inside"], res["graph break"]
-        what = "training step" if kind == "train" else "inference step"
-        verdict.append(
-            f"{what}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
-            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); "
-            f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
-            f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; "
-            f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} host log() "
-            f"calls for {inside['rows']['steps_taken']} rows; graph-breaking log() "
-            f"{pct(brk['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(brk['ratio_ci95'])}, "
-            f"{brk['graph_breaks']} graph break(s)")
     verdict.append(
         f"eager log.log() {num(eager['log.log() eager (C call)']['median'])} µs per call vs the "
         f"custom op called eagerly {num(eager['custom op, called eagerly']['median'])} µs; "
         f"the hook's check {num(eager['compile hook check']['median'] * 1e3)} ns")
-    for kind, table in tables.items():
-        print(f"[{kind}]\n{table}")
     print(etable)
     print("\n".join(verdict))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        argv_used = sys.argv[1:] if argv is None else argv
-        env = env_info(device, ["compile_step", *argv_used])
-        env["command"] = " ".join(["python", "benchmarks/compile_step.py", *argv_used])
-        env.update(mode=mode, rounds=rounds, steps_per_block=steps, width=args.width,
-                   depth=args.depth, batch=args.batch, flush_every=FLUSH_EVERY)
-        write_json(os.path.join(args.out, "compile_step.json"),
-                   {"env": env, "sections": sections, "eager_us": eager, "verdict": verdict})
-        with open(os.path.join(args.out, "compile_step.md"), "w", encoding="utf-8") as f:
-            f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
-                    f"{env['date']}\n\n"
-                    f"MLP {args.depth}×{args.width}, batch {args.batch}, compiled forward+loss "
-                    f"(mode={mode!r}); {rounds} interleaved rounds of {steps} steps "
-                    f"(`{env['command']}`).\n\n"
-                    + "".join(f"## {SECTION_TITLES[k]}\n\n{t}\n\n" for k, t in tables.items())
-                    + f"## eager per-call cost\n\n{etable}\n\n"
-                    + "\n".join(f"- {v}" for v in verdict) + "\n")
+        write_out(args.out, env, argv_used, sections, eager, verdict, tables, etable, mode)
     return sections
 
 

@@ -83,6 +83,43 @@ def test_explain_reports_no_graph_break():
     assert [r.values for r in sink.rows] == [{"loss": 8.0, "big": 32.0, "ok": 0.0, "lr": 0.25}]
 
 
+def test_numbers_are_constants_of_the_op_and_the_trace_adds_no_python_guard():
+    """A Python number reaches the op as a float (no tensor made in the graph: no kernel per
+    step), and the guards the trace adds are all C++ ones: no Python lambda runs per call."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    sink = Collect()
+    log = syncless.Logger(sinks=sink)
+
+    def step(x):
+        log(y=x.sum(), lr=0.125, epoch=3, warm=True)
+        return x
+
+    def only_numbers(x):
+        log(lr=0.5)
+        return x * 2
+
+    explanation = torch._dynamo.explain(step)(torch.ones(3))
+    nodes = [n for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"]
+    ops = [n for n in nodes if n.target is torch.ops.syncless.log.default]
+    assert len(ops) == 1 and ops[0].args[2] == [0.125, 3.0, 1.0]
+    assert all(n.target is not torch.full for n in nodes)
+    torch._dynamo.reset()
+    fn = torch.compile(step, fullgraph=True)
+    fn(torch.ones(3))
+    guards = str(_debug_get_cache_entry_list(step.__code__)[0].guard_manager)
+    python_guards = [g for g in guards.splitlines() if "LAMBDA_GUARD" in g]
+    assert not [g for g in python_guards if "syncless" in g], python_guards
+    for i in range(3):
+        fn(torch.full((3,), float(i)))
+    torch.compile(only_numbers, fullgraph=True)(torch.ones(2))
+    log.close()
+    ones = {"y": 3.0, "lr": 0.125, "epoch": 3.0, "warm": 1.0}          # explain's run, then fn's
+    assert [(r.step, r.values) for r in sink.rows] == (
+        [(0, ones), (1, ones)]
+        + [(2 + i, {"y": 3.0 * i, "lr": 0.125, "epoch": 3.0, "warm": 1.0}) for i in range(3)]
+        + [(5, {"lr": 0.5})])
+
+
 def test_new_names_steps_and_eager_logging_do_not_recompile():
     sink = Collect()
     log = syncless.Logger(every=8, sinks=sink)

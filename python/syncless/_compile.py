@@ -6,14 +6,15 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
 
 * At trace time `_site()` runs as real Python (torch._dynamo.assume_constant_result): it records
   the call site (the logger and the metric names) and returns its number, a constant of the
-  graph, like the names. Values are graph tensors; a Python number becomes a 0-dim float64 tensor
-  on the logger's device. The trace reads none of the logger's state (steps, columns), so new
-  values and metrics logged elsewhere never recompile; a new metric name inside the compiled
-  region needs no eager call first: it gets its column when the op first runs. Dynamo's own
-  rules still apply to what the user passes: an explicit step= int is specialised at the first
-  trace and made dynamic at the second value (one recompile), and a Python number read from
-  changing state (a scheduler's lr) is a guarded constant that recompiles when it changes: log
-  it outside the compiled function, or as a tensor.
+  graph, like the names. Tensor values are graph tensors; a Python number goes to the op as a
+  float, a constant of the graph (a tensor made in the graph would be a kernel on every step;
+  the gather takes the number as an immediate). The trace reads none of the logger's state
+  (steps, columns), so new values and metrics logged elsewhere never recompile; a new metric
+  name inside the compiled region needs no eager call first: it gets its column when the op
+  first runs. Dynamo's own rules still apply to what the user passes: an explicit step= int is
+  specialised at the first trace and made dynamic at the second value (one recompile), and a
+  Python number that changes (a scheduler's lr) is a guarded constant that recompiles when it
+  changes: log it outside the compiled function, or as a tensor.
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
@@ -24,9 +25,19 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   appends one row whose step is the capture step + the replay index, counted on the device; the
   host sees no replay, so flushes wait for the next eager log() or flush() and rows overwritten
   before one are counted in stats.lost: call log.flush(wait=False) every few hundred steps.
-  The host's step counter stays at capture step + 1, so an eager log() on the same logger after
-  replays needs an explicit step. An explicit step= or a CPU tensor under capture would be
-  replayed unchanged, so both are refused there with an error.
+  The host never learns how many replays ran (only the device's per-call replay counter knows,
+  and reading it would be a sync), so after replays `log.last_step` is still the capture step
+  and an eager log() without step= on the same logger takes capture step + 1: a step the
+  replays already wrote. An eager log() after replays needs an explicit step= (the loop's own
+  counter), and so does a second capture (cudagraph trees re-record when input addresses or
+  shapes change): its replays count from the stale host step. An explicit step= or a CPU tensor
+  under capture would be replayed unchanged, so both are refused there with an error.
+* What a replay costs is measured, not assumed: benchmarks/results/compile_step.md (and the
+  breakdown in compile_diag.md). The token is a static input (its address checked in C++ with
+  the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
+  output; the op's share is its gather kernel, the token and the guards; the larger share is
+  the rows' delivery (decoding, Row objects, sinks) on the logger's thread, which shares the
+  GIL with the training thread.
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
@@ -58,13 +69,14 @@ def track(logger: Any) -> None:
 # ---- call sites --------------------------------------------------------------------------------
 
 class _Site:
-    __slots__ = ("logger_id", "logger", "names", "device", "host_tensors", "token")
+    __slots__ = ("logger_id", "logger", "names", "numbers", "device", "host_tensors", "token")
 
-    def __init__(self, logger: Any, names: tuple, device: str, host_tensors: bool,
-                 token: torch.Tensor):
+    def __init__(self, logger: Any, names: tuple, numbers: tuple, device: str,
+                 host_tensors: bool, token: torch.Tensor):
         self.logger_id = id(logger)
         self.logger = weakref.ref(logger)
         self.names = names
+        self.numbers = numbers              # per name: a Python number (a graph constant)?
         self.device = device
         self.host_tensors = host_tensors    # read at capture, replayed unchanged: refused there
         self.token = token
@@ -119,9 +131,13 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
                            "live syncless.Logger")
     # Bad names, closed loggers and mixed devices are refused when the op runs, by the eager
     # path, with its errors: an exception raised here would reach the user wrapped by Dynamo.
+    devices = tuple(str(d) for d in devices)             # torch.device objects, or "number"
     cuda = [d for d in devices if d.startswith("cuda")]
-    device = cuda[0] if cuda else "cpu"
     host_tensors = "cpu" in devices
+    numbers = tuple(d == "number" for d in devices)
+    # The token lives with the values; a call of numbers only, with the logger (a CPU token in
+    # a CUDA graph would make cudagraph trees skip the graph).
+    device = cuda[0] if cuda else "cpu" if host_tensors else str(logger.device)
     if cuda and logger._ring is None and not logger.closed:
         # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
         # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
@@ -131,7 +147,7 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
     if index is not None and _sites[index].logger() is logger:
         return index
     index = len(_sites)
-    _sites.append(_Site(logger, names, device, host_tensors, _token(logger, device)))
+    _sites.append(_Site(logger, names, numbers, device, host_tensors, _token(logger, device)))
     setattr(_by_site, f"t{index}", _sites[index].token)
     _keys[key] = index
     return index
@@ -147,7 +163,7 @@ _CAPTURED_HOST = ("metrics {names!r}: a CPU tensor inside a CUDA graph would log
                   "capture on every replay; log it outside the graph or move it to the GPU")
 
 
-def _run(index: int, values: list, step: Optional[int]) -> None:
+def _run(index: int, values: list, numbers: list, step: Optional[int]) -> None:
     site = _sites[index]
     logger = site.logger()
     if logger is None:
@@ -158,17 +174,20 @@ def _run(index: int, values: list, step: Optional[int]) -> None:
     if ring is not None and (step is not None or site.host_tensors) and ring.capturing():
         raise RuntimeError(_CAPTURED_STEP if step is not None
                            else _CAPTURED_HOST.format(names=site.names))
-    logger.log(dict(zip(site.names, values)), step)
+    tensors, floats = iter(values), iter(numbers)
+    # A number is a constant of the graph: the gather takes it as an immediate (no kernel).
+    logger.log({name: next(floats) if number else next(tensors)
+                for name, number in zip(site.names, site.numbers)}, step)
 
 
 if hasattr(torch.library, "custom_op"):                  # torch >= 2.4
     @torch.library.custom_op("syncless::log", mutates_args=("token",))
-    def _log_op(token: torch.Tensor, values: list[torch.Tensor], site: int,
-                step: Optional[int]) -> None:
-        _run(site, values, step)
+    def _log_op(token: torch.Tensor, values: list[torch.Tensor], numbers: list[float],
+                site: int, step: Optional[int]) -> None:
+        _run(site, values, numbers, step)
 
     @_log_op.register_fake
-    def _log_fake(token, values, site, step):
+    def _log_fake(token, values, numbers, site, step):
         return None
 else:
     _log_op = None
@@ -176,32 +195,59 @@ else:
 
 # ---- what Dynamo traces ------------------------------------------------------------------------
 
-def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
-    """Logger.log while Dynamo traces: one syncless::log op in the graph."""
-    if _log_op is None:
-        raise RuntimeError("syncless: log() inside torch.compile needs torch >= 2.4 "
-                           f"(torch.library.custom_op); this is torch {torch.__version__}")
-    if isinstance(step, bool) or not (step is None or isinstance(step, int)):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
-    names = tuple(metrics)
-    items = list(metrics.values())
-    cuda = None
-    for v in items:
-        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            cuda = str(v.device)
-            break
-    device = _number_device(id(logger), cuda)
-    values = []
-    devices = []
-    for v in items:
-        if not isinstance(v, torch.Tensor):
-            # A Python number: a graph value (a constant, or a symbolic one Dynamo made dynamic),
-            # made on the logger's device so that a CUDA graph does not skip a CPU op.
-            v = torch.full((), v, dtype=torch.float64, device=device)
-        values.append(v)
-        devices.append(str(v.device))
-    index = _site(id(logger), names, tuple(devices))
-    _log_op(getattr(_by_site, f"t{index}"), values, index, step)
+def _traced_log():
+    """Logger.log while Dynamo traces, as a closure: what it uses is in its cells, so the trace
+    reads no global of this module (Dynamo would then reach this module both as the logger's
+    `_compile` and under its own name, and guard that they are one object with a Python lambda
+    run before every call of the compiled code) and guards one object per cell. Python numbers
+    go to the op as floats, graph constants, not as tensors made in the graph (a kernel each)."""
+    op = _log_op._opoverload if _log_op is not None else None
+    site_of, number_device, tokens = _site, _number_device, _by_site
+    Tensor, full, float64 = torch.Tensor, torch.full, torch.float64
+
+    def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
+        if op is None:
+            raise RuntimeError("syncless: log() inside torch.compile needs torch >= 2.4 "
+                               f"(torch.library.custom_op); this is torch {torch.__version__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        names = tuple(metrics)
+        values = []
+        numbers = []
+        kinds = []                                   # per name: a device, "number" or None
+        cuda = None
+        for v in metrics.values():
+            if isinstance(v, Tensor):
+                values.append(v)
+                kinds.append(v.device)
+                if cuda is None and v.device.type == "cuda":
+                    cuda = v.device
+            elif isinstance(v, (int, float)):        # bool too
+                numbers.append(float(v))             # a guarded constant of the graph
+                kinds.append("number")
+            else:
+                # Anything else (a NumPy number, a bad value): a graph value made by torch.full
+                # on the logger's device (a CPU op would make a CUDA graph skip), which refuses
+                # what is not a number.
+                values.append(v)
+                kinds.append(None)
+        if None in kinds:
+            device = number_device(id(logger), None if cuda is None else str(cuda))
+            j = 0
+            for i, k in enumerate(kinds):
+                if k == "number":
+                    continue
+                if k is None:
+                    values[j] = full((), values[j], dtype=float64, device=device)
+                    kinds[i] = values[j].device
+                j += 1
+        index = site_of(id(logger), names, tuple(kinds))
+        op(getattr(tokens, f"t{index}"), values, numbers, index, step)
+
+    return log
+
+
+log = _traced_log()
 
 
 # ---- the timer ---------------------------------------------------------------------------------
