@@ -36,17 +36,21 @@ class CharLSTM(nn.Module):
         return self.decoder(out), hidden
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--clip", type=float, default=0.25)
     p.add_argument("--log-interval", type=int, default=50)
-    args = p.parse_args()
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    args = p.parse_args(argv)
     device = args.device
     cpu = device == "cpu"
     batch, seq = (8, 32) if cpu else (256, 32)
+    batch = args.batch or batch
+    hidden = args.hidden or (64 if cpu else 1024)
     text = make_text(200_000 if cpu else 2_000_000)
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -60,7 +64,7 @@ def main():
 
     torch.manual_seed(0)
     random.seed(0)
-    model = CharLSTM(len(chars), 64 if cpu else 256, 64 if cpu else 1024, 2).to(device)
+    model = CharLSTM(len(chars), 64 if cpu else 256, hidden, 2).to(device)
     criterion = nn.CrossEntropyLoss()
     clock = StepClock(device)
     total_loss = torch.zeros((), device=device)

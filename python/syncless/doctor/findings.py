@@ -1,10 +1,13 @@
 """What costs a step time, and what its fix wins back.
 
-The model: a step of S ms whose GPU work takes G ms can get no faster than G. A fix that takes x ms
-of the CPU's (or the loader's) time out of the step leaves max(S - x, G): a sync blocks the host for
-b ms, but removing it only wins the GPU idle that the wait caused, so in a GPU-bound step it wins
-nothing. Every fix carries the step time it predicts; a finding is ranked by what its best fix wins
-back, and one that wins less than 1% of the step is minor."""
+The model: a step of S ms whose GPU work takes G ms can get no faster than G. The host blocks Y ms
+per step in syncs, so its own work (Python, launches, data wait) takes H = S - Y. Without syncs the
+host runs ahead of the GPU and the step takes max(H, G): removing every sync wins
+min(Y, S - G, the GPU idle the syncs cause), nothing in a GPU-bound step, and in a CPU-bound step
+no more than they block. Removing x ms of the host's own work (the data wait) wins
+max(H, G) - max(H - x, G): nothing while the GPU is the slower side. Every fix carries the step
+time it predicts; a finding is ranked by what its best fix wins back, and one that wins less than
+1% of the step is minor."""
 from __future__ import annotations
 
 import math
@@ -69,14 +72,19 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
-                       cpus: int | None = None, data_cpu: float | None = None) -> Finding | None:
+                       cpus: int | None = None, data_cpu: float | None = None,
+                       host_ms: float | None = None) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
-    pageable copy (removed by pin_memory + non_blocking, which the fix includes)."""
+    pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
+    the step less its time blocked in syncs (None: the whole step)."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
     removed = data_ms + (copy_ms if pin else 0.0)
-    target = after(step_ms, removed, gpu_ms)
+    host = step_ms if host_ms is None else min(host_ms, step_ms)
+    floor = gpu_ms or 0.0
+    wins = max(host, floor) - max(host - removed, floor)
+    target = max(0.0, step_ms - max(0.0, wins))
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
     fixes = []
     workers = plan.workers
@@ -119,34 +127,30 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
 # ---- syncs -----------------------------------------------------------------------------------
 
 def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
-                  bubble_ms: float | None = None, trace_syncs: float = 0.0,
-                  floor_ms: float = 0.0) -> list:
+                  wins_ms: float | None = None) -> list:
     """One finding per sync line of user code; syncs made inside a framework are grouped into one
     finding per framework, naming the settings that remove them.
 
-    What removing syncs wins: the GPU idle they cause. `bubble_ms` is that idle per step as the
-    kernel trace measured it (from each sync's return until the GPU has work again), shared among
-    the findings by how often each syncs; without it, the time the syncs block (`blocked_ns`),
-    bounded by the GPU work. Either way the step stays at least `floor_ms` (the CPU's own work) and
-    the GPU work."""
+    `wins_ms`: what removing every sync of the step wins back (the module's model; None: the
+    audit's blocked time bounded by the GPU idle). Each finding gets the share of it that its
+    syncs block in the audit (by how often they sync when the audit saw no blocking)."""
     out = []
     steps = audit.step_count
     timed = audit.backend == "cupti"
     frameworks: dict[str, list] = {}
-    total_count = sum(s.count for s in audit.sites.values()) / steps or 1.0
-    idle = max(0.0, step_ms - (gpu_ms or 0.0))
-
-    def removed(blocked: float, per_step: float) -> float:
-        if bubble_ms is None:
-            return blocked
-        if trace_syncs > 0:
-            return bubble_ms * per_step / total_count
-        return min(blocked, per_step * idle)    # rarer than once per traced step
+    kept = [s for s in audit.sites.values()
+            if not (s.kinds == {ASYNC_COPY} and s.count / steps < 1)]
+    total_ns = sum(s.blocked_ns for s in kept)
+    total_count = sum(s.count for s in kept) or 1
+    if wins_ms is None:
+        wins_ms = min(total_ns / 1e6 / steps, max(0.0, step_ms - (gpu_ms or 0.0)))
 
     def predict(blocked: float, per_step: float) -> float | None:
         if not timed:
             return None
-        return max(after(step_ms, removed(blocked, per_step), gpu_ms), floor_ms)
+        share = blocked * 1e6 * steps / total_ns if total_ns >= 1000 * steps else \
+            per_step * steps / total_count
+        return max(0.0, step_ms - wins_ms * min(1.0, share))
 
     for s in audit.ranked():
         ms = s.blocked_ns / 1e6 / steps if timed else 0.0
