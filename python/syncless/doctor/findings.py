@@ -164,7 +164,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
             frameworks.setdefault(fw.framework, []).append((s, fw, ms, per_step))
             continue
         what = ", ".join(s.what)
-        blocked = f", blocking {ms:.3f} ms/step" if timed else ""
+        blocked = f", blocking {ms:.3f} ms/step under the audit" if timed else ""
         via = f" (via {s.site.via})" if s.site.via else ""
         predicted = predict(ms, per_step)
         fix = Fix(s.fix() if not s.site.chain else
@@ -179,7 +179,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         predicted = predict(total, sum(p for _, _, _, p in sites))
         lines, fixes = [], []
         for s, fw, ms, per_step in sites:
-            blocked = f", {ms:.3f} ms blocked" if timed else ""
+            blocked = f", {ms:.3f} ms blocked under the audit" if timed else ""
             lines.append(f"{fw.frame.where} (entered at {s.where} `{s.site.code}`): "
                          f"{' + '.join(s.what)}, {per_step:g}×/step{blocked}")
             if fw.fix not in fixes:
