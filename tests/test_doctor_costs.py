@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from syncless.doctor import Audit, doctor
 from syncless.doctor._frames import caller_site
+from syncless.doctor._sampler import StackSampler
 from syncless.doctor.audit import SYNC
 from syncless.doctor.diagnose import KernelTime, assess, trace_gpu
 from syncless.doctor.monitor import MonitorSummary
@@ -63,15 +64,22 @@ def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path)
         launch(390, 3), k(400, 50, 3), launch(455, 4), k(460, 50, 4),
         launch(505, 5), k(512, 300, 5), launch(600, 6), k(812, 100, 6),
         launch(1150, 7), k(1200, 100, 7),
-        # step 2: a sync returning at 1310, two lockstep kernels; then the final drain
-        sync(1000, 310), launch(1490, 8), k(1500, 100, 8), launch(1602, 9), k(1605, 50, 9),
+        # step 2: an .item(): its copy to pageable memory waits inside cudaMemcpyAsync for the
+        # GPU (returning at 1305), the stream sync after it returns at 1310; two lockstep
+        # kernels; then the final drain
+        {"cat": "cuda_runtime", "ts": 1000, "dur": 305, "name": "cudaMemcpyAsync",
+         "args": {"correlation": 50}},
+        {"cat": "gpu_memcpy", "ts": 1300, "dur": 2, "name": "Memcpy DtoH (Device -> Pageable)",
+         "args": {"correlation": 50}},
+        sync(1306, 4), launch(1490, 8), k(1500, 100, 8), launch(1602, 9), k(1605, 50, 9),
         sync(1655, 10)]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
     t = trace_gpu(str(tmp_path / "t.json"), 2)
-    assert t.busy_ms == pytest.approx(0.953 / 2)
-    assert t.syncs == 1.0, "the drain after the last kernel is no step's sync"
-    assert t.blocked_ms == pytest.approx((0.152 + 0.310) / 2)
-    assert t.sync_bubble_ms == pytest.approx((0.199 + 0.200) / 2)
+    assert t.busy_ms == pytest.approx(0.955 / 2)
+    assert t.syncs == 1.0, "the copy and its stream sync hold the GPU up once; the drain after " \
+        "the last kernel is no step's sync"
+    assert t.blocked_ms == pytest.approx((0.152 + 0.305 + 0.004) / 2)
+    assert t.sync_bubble_ms == pytest.approx((0.199 + 0.198) / 2)
     # after the first sync: 202 -> 400 and 450 -> 460 (the 2 µs before 512 is the GPU's own gap);
     # the kernel at 812 was queued ahead, so the 912 -> 1200 gap is the host's, not the sync's;
     # after the second: 1310 -> 1500 and 1600 -> 1605
@@ -180,3 +188,78 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
     slow = with_gpu(0.95 * s)
     assert slow.verdict_kind == "GPU-bound"
     assert slow.finding("starvation").cost_ms == pytest.approx(0.05 * s)
+
+
+def test_the_monitored_steps_stack_samples_time_a_sync_the_audit_saw_barely_block():
+    # lstm_lm resized (batch 512, hidden 1536) on the H200: 18.17 ms steps, 17.61 ms of host
+    # body, 13.45 ms of kernels; the .item() blocked 4.4 ms/step under the audit and 1.4 ms in the
+    # trace (both slow the host), while 40 of the monitored steps' 102 stack samples sat on its
+    # line: 7.1 ms/step, which leaves the host 11.1 ms of its own (its twin measured 11.2 ms).
+    site = item_site()
+    a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 4_360_000, 1)], kernels_per_step=387)
+    sampler = StackSampler()
+    sampler.counts[(site.file, site.line, site.via)] = 40
+    sampler.counts[(site.file, site.line + 1, "")] = 62
+    sampler.total = 102
+    d = assess(summary(18.17, cpu_ms=17.61), a, 2, 18.17, True, 95.0, 17.69, 3,
+               kernel_time=KernelTime(13.45, 3.94, 1.0, 1.384, 4.65), launch_us=8.5,
+               sampler=sampler)
+    assert d.sync_ms_source == "stack samples"
+    assert d.sync_ms == pytest.approx(18.17 * 40 / 102)
+    assert d.finding("launch-bound") is None, \
+        "11.1 ms of the host's own work enqueue faster than the GPU's 13.45 ms run"
+    top = d.findings[0]
+    assert top.kind == "sync" and top.cost_ms == pytest.approx(4.65)
+    assert top.fixes[0].predicted_ms == pytest.approx(13.52)
+    assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict
+    assert "syncs (blocked)" in d.report() and "(stack samples)" in d.report()
+
+
+def test_syncs_share_the_win_by_the_monitored_samples_when_the_audit_saw_none_block():
+    # hf_trainer in a second H200 run: under the audit every sync blocked ~0.01-0.02 ms (the
+    # audited host is slow), but 36 of the monitored steps' 100 samples sat at the Trainer's
+    # NaN check and 1 at the masking code's: the Trainer's syncs get nearly all of the 3.4 ms
+    # that removing every sync wins (the GPU idle the trace saw them cause).
+    trainer = item_site()._replace(code="tr_loss_step = ...", via="transformers/trainer.py:1847")
+    masking = item_site()._replace(line=trainer.line + 2, code="trainer.train()",
+                                   via="transformers/masking_utils.py:755")
+    a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 10_000, 2),
+                     (masking, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=466)
+    sampler = StackSampler()
+    sampler.counts.update({(trainer.file, trainer.line, trainer.via): 36,
+                           (masking.file, masking.line, masking.via): 1,
+                           (masking.file, masking.line + 1, ""): 63})   # other host work
+    sampler.total = 100
+    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
+               sampler=sampler)
+    assert d.sync_ms == pytest.approx(22.09 * 0.37) and d.sync_ms_source == "stack samples"
+    first = d.findings[0]
+    assert first.extra["per_step"] == 2 and first.cost_ms == pytest.approx(3.405 * 36 / 37)
+    assert d.finding("launch-bound") is None
+    assert d.verdict_kind == "CPU-bound"
+
+
+def test_a_graph_of_a_step_that_syncs_wins_only_what_it_adds_to_removing_the_syncs():
+    # hf_trainer's second H200 run: 18 of 100 samples at the Trainer's NaN check (4.0 ms/step
+    # blocked) leave the host 18.1 ms of its own, a little over the 17.41 ms of kernels. A CUDA
+    # graph cannot hold the syncs: it wins only what it adds once they are gone.
+    trainer = item_site()._replace(code="tr_loss_step = ...", via="transformers/trainer.py:1847")
+    a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 10_000, 2)], kernels_per_step=466)
+    sampler = StackSampler()
+    sampler.counts.update({(trainer.file, trainer.line, trainer.via): 18,
+                           (trainer.file, trainer.line + 1, ""): 82})
+    sampler.total = 100
+    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
+               sampler=sampler)
+    sync, launch = d.findings[0], d.finding("launch-bound")
+    assert sync.kind == "sync" and sync.cost_ms == pytest.approx(3.405)
+    # the host is the slower side by 0.7 ms: the data wait's 0.3 ms count, as a minor-ish third
+    assert d.finding("starvation").cost_ms == pytest.approx(0.30, abs=1e-6)
+    graph = 17.41          # the kernel time: the graph's own gaps would put it above the GPU work
+    assert launch.kind == "launch-bound"
+    assert launch.cost_ms == pytest.approx(22.09 - 0.18 * 22.09 - graph)
+    assert launch.fixes[0].startswith("once the step's syncs are gone (a graph cannot hold")
+    assert launch.fixes[0].predicted_ms == pytest.approx(graph)
+    assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict

@@ -282,17 +282,25 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
                and "dur" in e]
     if not runtime:
         return KernelTime(busy / 1e3 / steps, None, 0.0)
+    # A copy to pageable host memory (what .item() and .cpu() make) returns only once the GPU
+    # has run everything before it: the host waits inside cudaMemcpyAsync, not in the
+    # cudaStreamSynchronize that follows.
+    to_pageable = {(e.get("args") or {}).get("correlation") for e in events
+                   if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))
+                   and "Pageable" in str(e.get("name"))}
+    to_pageable.discard(None)
     launched = {}
+    waits = []
     for e in runtime:
         c = (e.get("args") or {}).get("correlation")
-        if c is not None and e.get("name") not in _SYNC_CALLS:
+        if e.get("name") in _SYNC_CALLS or (c in to_pageable and "Memcpy" in e.get("name", "")):
+            waits.append(e)
+        elif c is not None:
             launched.setdefault(c, float(e["ts"]))
     starts = [s for s, _ in merged]
     op_starts = [s for s, _, _ in ops]
     returns = []                                      # (return time, blocked µs) of step syncs
-    for e in runtime:
-        if e.get("name") not in _SYNC_CALLS:
-            continue
+    for e in waits:
         t = float(e["ts"]) + float(e["dur"])
         i = bisect.bisect_right(starts, t)            # the first busy interval after the return
         if i == 0 or i == len(merged):
@@ -319,7 +327,10 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
                 idle += s - free
             free = max(free, e)
     per = 1e3 * steps
-    return KernelTime(busy / per, bubble / per, len(returns) / steps, blocked / per, idle / per)
+    # A copy's wait and the stream sync right after it (.item()) hold the GPU up once: syncs
+    # with no GPU work between them count as one.
+    points = len({i for _, _, i in returns})
+    return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per)
 
 
 def _autocast_on() -> bool:
@@ -394,9 +405,19 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     # audit's CUPTI callbacks slow every CUDA call down, so by the time the audited host reaches
     # a sync the GPU has often caught up (a Lightning step blocked 0.015 ms/step under the audit
     # and ~2 ms/step without it).
-    traced_blocked = kernel_time is not None and kernel_time.blocked_ms is not None
-    d.sync_ms = kernel_time.blocked_ms if traced_blocked else audit_ms
-    d.sync_ms_source = "kernel trace" if traced_blocked else ("audit" if cupti else "")
+    # The trace and the audit both slow the host down (less so the trace), so by the time the
+    # host reaches a sync there the GPU has caught up further than in the monitored steps: the
+    # stack samples of the monitored steps at the audited sync lines are the third figure, and
+    # the largest of the three the closest (each reads low, none high but by sampling noise).
+    sources = [(audit_ms, "audit")] if cupti else []
+    if kernel_time is not None and kernel_time.blocked_ms is not None:
+        sources.append((kernel_time.blocked_ms, "kernel trace"))
+    if cupti and sampler is not None and sampler.total and audit.sites:
+        keys = {(x.site.file, x.site.line, x.site.via) for x in audit.sites.values()
+                if not (x.kinds == {ASYNC_COPY} and x.count < audit.step_count)}
+        hits = sum(n for k, n in sampler.counts.items() if k in keys)
+        sources.append((step * hits / sampler.total, "stack samples"))
+    d.sync_ms, d.sync_ms_source = max(sources, default=(0.0, ""), key=lambda v: v[0])
 
     # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
     # own gaps between them (as a CUDA graph replays them), but a sync inside the step empties
@@ -461,7 +482,8 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     if f:
         findings.append(f)
     enqueue_ms = max(0.0, body - blocked_in_body)
-    findings += sync_findings(audit, step, G, sync_cost)
+    findings += sync_findings(audit, step, G, sync_cost,
+                              sampler.counts if sampler is not None and sampler.total else None)
     optimizers = list(audit.optimizers)
     model_settings, speedups, compiled = _model_info(model, autocast)
     # A CUDA graph replays the kernels with less time between them than stream launches leave
@@ -471,7 +493,8 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     if gpu_trace_ms is not None and d.kernels:
         graph_ms = min(G or math.inf, gpu_trace_ms + d.kernels * GRAPH_GAP_US / 1e3)
     f = launch_finding(enqueue_ms, G, d.kernels, step, summary.data_ms, launch_us, optimizers,
-                       optimizer_ms, compiled, graph_ms) if gpu else None
+                       optimizer_ms, compiled, graph_ms, host_ms,
+                       every_step and d.sync_ms > 0) if gpu else None
     if f:
         findings.append(f)
     for f in findings:

@@ -127,13 +127,15 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
 # ---- syncs -----------------------------------------------------------------------------------
 
 def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
-                  wins_ms: float | None = None) -> list:
+                  wins_ms: float | None = None, samples: dict | None = None) -> list:
     """One finding per sync line of user code; syncs made inside a framework are grouped into one
     finding per framework, naming the settings that remove them.
 
     `wins_ms`: what removing every sync of the step wins back (the module's model; None: the
     audit's blocked time bounded by the GPU idle). Each finding gets the share of it that its
-    syncs block in the audit (by how often they sync when the audit saw no blocking)."""
+    syncs block: by the monitored steps' stack samples at their lines (`samples`, keyed by
+    (file, line, via)) when those saw the syncs, else by the audit's blocked time, else by how
+    often they sync."""
     out = []
     steps = audit.step_count
     timed = audit.backend == "cupti"
@@ -142,14 +144,24 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
             if not (s.kinds == {ASYNC_COPY} and s.count / steps < 1)]
     total_ns = sum(s.blocked_ns for s in kept)
     total_count = sum(s.count for s in kept) or 1
+    samples = samples or {}
+
+    def sampled(s: Any) -> int:
+        return samples.get((s.site.file, s.site.line, s.site.via), 0)
+
+    total_samples = sum(sampled(s) for s in kept)
     if wins_ms is None:
         wins_ms = min(total_ns / 1e6 / steps, max(0.0, step_ms - (gpu_ms or 0.0)))
 
-    def predict(blocked: float, per_step: float) -> float | None:
+    def predict(group: list) -> float | None:
         if not timed:
             return None
-        share = blocked * 1e6 * steps / total_ns if total_ns >= 1000 * steps else \
-            per_step * steps / total_count
+        if total_samples >= 3:
+            share = sum(sampled(s) for s in group) / total_samples
+        elif total_ns >= 1000 * steps:
+            share = sum(s.blocked_ns for s in group) / total_ns
+        else:
+            share = sum(s.count for s in group) / total_count
         return max(0.0, step_ms - wins_ms * min(1.0, share))
 
     for s in audit.ranked():
@@ -166,7 +178,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         what = ", ".join(s.what)
         blocked = f", blocking {ms:.3f} ms/step under the audit" if timed else ""
         via = f" (via {s.site.via})" if s.site.via else ""
-        predicted = predict(ms, per_step)
+        predicted = predict([s])
         fix = Fix(s.fix() if not s.site.chain else
                   f"the sync is made inside library code ({s.site.via} `"
                   f"{s.site.chain[0].code()}`), entered from your line: the fix is a setting of "
@@ -176,7 +188,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
                            [fix], s.where, {"blocked_ms": ms, "per_step": per_step}))
     for name, sites in frameworks.items():
         total = sum(ms for _, _, ms, _ in sites)
-        predicted = predict(total, sum(p for _, _, _, p in sites))
+        predicted = predict([x for x, _, _, _ in sites])
         lines, fixes = [], []
         for s, fw, ms, per_step in sites:
             blocked = f", {ms:.3f} ms blocked under the audit" if timed else ""
@@ -200,8 +212,12 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
 def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | None,
                    step_ms: float, data_ms: float = 0.0, launch_us: float | None = None,
                    optimizers: list = (), optimizer_ms: float | None = None,
-                   compiled: bool = False, graph_ms: float | None = None) -> Finding | None:
-    """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it."""
+                   compiled: bool = False, graph_ms: float | None = None,
+                   host_ms: float | None = None, syncs: bool = False) -> Finding | None:
+    """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it.
+    `host_ms`: the step less its time blocked in syncs. With `syncs` (a sync every step) a graph
+    needs them gone first (a graph cannot hold one): the finding wins what the graph adds to
+    that, max(host, GPU work) - the graph's time, and its fix predicts the graph's time."""
     if gpu_ms is None or gpu_ms <= 0 or enqueue_ms <= gpu_ms or step_ms <= 0:
         return None
     if gpu_ms >= 0.9 * step_ms:
@@ -211,7 +227,8 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
     per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
     count = f"{kernels:.0f} kernels per step" if kernels else "kernels"
     graph = after(step_ms, step_ms, max(graph_ms or gpu_ms, data_ms))
-    fixes = [Fix("capture the step in a CUDA graph, which replaces every launch with one: "
+    first = ("once the step's syncs are gone (a graph cannot hold a sync), " if syncs else "")
+    fixes = [Fix(first + "capture the step in a CUDA graph, which replaces every launch with one: "
                  "torch.compile(model, mode=\"reduce-overhead\"), or torch.cuda.graph / "
                  "torch.cuda.make_graphed_callables around the whole step (static inputs, "
                  "capturable=True for the optimizer)", graph, "cuda-graph")]
@@ -229,7 +246,11 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
                          + (f" ~{launch_us:.1f} µs" if launch_us else "")
                          + "; no prediction (it depends on what fuses)", None, "fusion"))
     fixes.append(Fix("raise the batch size: the same launches do more work each", None, "batch"))
-    f = Finding("launch-bound", "Launch-bound", step_ms - graph,
+    host = step_ms if host_ms is None else min(host_ms, step_ms)
+    wins = (max(host, gpu_ms) if syncs else step_ms) - graph
+    if wins <= 0:
+        return None
+    f = Finding("launch-bound", "Launch-bound", wins,
                 f"the CPU needs {enqueue_ms:.2f} ms to enqueue a step whose GPU work takes "
                 f"{gpu_ms:.2f} ms ({count}{per_kernel}): the GPU waits for launches", fixes)
     return f

@@ -88,7 +88,7 @@ def render_doctor(d: Any) -> str:
         if cpu.get("launches_ms") is not None:
             rows.append([f"  kernel launches ({d.kernels:.0f} × {d.launch_us:.1f} µs)",
                          f"{cpu['launches_ms']:.3f}", _pct(cpu["launches_ms"], step)])
-        known = cupti or d.sync_ms_source == "kernel trace"
+        known = cupti or bool(d.sync_ms_source)
         shown = cpu.get("syncs_ms", d.sync_ms)
         rows.append(["  syncs (blocked)", f"{shown:.3f}" if known else "n/a",
                      _pct(shown, step) if known else "-"])
