@@ -318,7 +318,7 @@ def _step_at(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 2}
+QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -339,7 +339,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-at", type=_step_at, metavar="FILE:LINE",
                    help="a step ends each time this line runs (loops without optimizer.step())")
     p.add_argument("--quick", action="store_true",
-                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 2")
+                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4")
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("script", help="the training script, run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
