@@ -43,7 +43,7 @@ def item_site():
     return caller_site(0)._replace(code="total_loss += loss.item()")
 
 
-# ---- the trace ------------------------------------------------------------------------------------
+# ---- the trace ----------------------------------------------------------------------------------
 
 def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path):
     def k(ts, dur, c):
@@ -86,7 +86,7 @@ def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path)
     assert t.sync_idle_ms == pytest.approx((0.198 + 0.010 + 0.190 + 0.005) / 2)
 
 
-# ---- syncs ----------------------------------------------------------------------------------------
+# ---- syncs --------------------------------------------------------------------------------------
 
 def test_a_sync_in_a_host_bound_step_wins_no_more_than_it_blocks():
     # lstm_lm as first sized: 7.32 ms steps, the host busy 7.23 ms of them with 386 launches,
@@ -152,7 +152,7 @@ def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
     assert d.sync_cost_ms == 0.0
 
 
-# ---- sleep-based loops: the host side measured, the GPU side given --------------------------------
+# ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
 
 class Sleepy(Dataset):
     def __len__(self):

@@ -14,7 +14,8 @@ another, at its step boundaries:
            run back to back: the GPU work a step needs
   audit    --audit-steps steps under CUPTI: every sync with its line, kernels per step
   kernels  (CUDA, or --trace PATH) --trace-steps steps under torch.profiler: the kernels' GPU
-           time (the GPU-work figure when the step syncs), and the trace written to PATH for
+           time (the GPU-work figure when the step syncs), the host's time blocked in syncs and
+           the GPU idle they cause, and the trace written to PATH for
            https://ui.perfetto.dev; last, because torch.profiler takes CUPTI over
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends

@@ -9,9 +9,10 @@ allocator growth are not blamed on the loop):
   3. probe     (CUDA) a few steps queued behind a GPU sleep kernel, so the step's kernels run
                back to back: the GPU time the step really needs, without launch gaps.
   4. kernels   (CUDA, or trace=path) 3 steps under torch.profiler: the kernels' GPU time (the
-               GPU work figure when the step syncs) and, with trace=, a Perfetto trace.
-The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines.
-"""
+               GPU work figure when the step syncs), the host's time blocked in syncs and the GPU
+               idle they cause, and, with trace=, a Perfetto trace.
+The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines
+(and the time the monitored steps spend at the audited sync lines)."""
 from __future__ import annotations
 
 import bisect
@@ -100,7 +101,8 @@ class Diagnosis:
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
-            "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms, "gpu_work_ms": self.gpu_work_ms,
+            "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,
+            "gpu_work_ms": self.gpu_work_ms,
             "gpu_work_source": self.gpu_work_source, "gpu_span_ms": self.gpu_busy_ms,
             "gpu_probe_ms": self.gpu_pure_ms, "gpu_trace_ms": self.gpu_trace_ms,
             "sync_bubble_ms": self.sync_bubble_ms,
