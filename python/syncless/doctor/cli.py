@@ -272,6 +272,10 @@ class ScriptSession:
                 notes.append(f"the script ended after {seen} steps: {missed}; all phases take "
                              f"{total} steps (lower --steps or --audit-steps, or let the script "
                              "run longer)")
+        if self.probe is not None and self.probe.uncovered:
+            notes.append(f"{self.probe.uncovered} of the probed steps took the host longer than "
+                         "the GPU sleep that held their kernels back (a slow batch?): not timed"
+                         + ("" if self.probe.steps else "; the GPU work is the trace's"))
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
