@@ -106,7 +106,8 @@ def render_doctor(d: Any) -> str:
         rows.append(["kernels / step", f"{d.kernels:.1f}", ""])
     lines += ["  " + line for line in _table(rows, ["", "ms/step", "share"])]
     if d.gpu and d.sync_ms > 0 and d.host_ms is not None and d.gpu_work_ms is not None:
-        count = f"{d.sync_count:g} syncs/step" if d.sync_count else "the syncs"
+        count = (f"{d.sync_count:g} sync{'' if d.sync_count == 1 else 's'}/step" if d.sync_count
+                 else "the syncs")
         floor = max(d.host_ms, d.gpu_work_ms)
         lines.append(f"  {count} block the host {d.sync_ms:.3f} ms ({d.sync_ms_source}); its own "
                      f"work takes {d.host_ms:.2f} ms, so without them the step could take "
