@@ -24,7 +24,7 @@ class Images(Dataset):
 
 
 def main():
-    device = "cuda"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(8), torch.nn.Flatten(),
                                 torch.nn.Linear(64 * 64, 10)).to(device)

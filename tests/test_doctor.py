@@ -639,7 +639,9 @@ def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
     assert f.kind == "launch-bound"
     assert [x.tag for x in f.fixes] == ["cuda-graph", "optimizer", "fusion", "batch"]
     assert [x.predicted_ms for x in f.fixes[:2]] == [2.0, pytest.approx(8.4)]
-    assert "   fix → 2.00 ms/step: capture the step in a CUDA graph" in "\n".join(text)
+    assert "   fix → 2.00 ms/step: once the step's syncs are gone (a graph cannot hold a sync), " \
+        "capture the step in a CUDA graph" in "\n".join(text)
+    assert f.cost_ms == pytest.approx(7.5), "10 ms less the 0.5 ms blocked, less the graph's 2"
     assert "  kernel launches (300 × 5.0 µs)  1.500" in "\n".join(text)
     assert d.as_dict()["top_predicted_ms"] == 2.0
 

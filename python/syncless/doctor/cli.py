@@ -14,7 +14,8 @@ another, at its step boundaries:
            run back to back: the GPU work a step needs
   audit    --audit-steps steps under CUPTI: every sync with its line, kernels per step
   kernels  (CUDA, or --trace PATH) --trace-steps steps under torch.profiler: the kernels' GPU
-           time (the GPU-work figure when the step syncs), and the trace written to PATH for
+           time (the GPU-work figure when the step syncs), the host's time blocked in syncs and
+           the GPU idle they cause, and the trace written to PATH for
            https://ui.perfetto.dev; last, because torch.profiler takes CUPTI over
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
@@ -271,6 +272,10 @@ class ScriptSession:
                 notes.append(f"the script ended after {seen} steps: {missed}; all phases take "
                              f"{total} steps (lower --steps or --audit-steps, or let the script "
                              "run longer)")
+        if self.probe is not None and self.probe.uncovered:
+            notes.append(f"{self.probe.uncovered} of the probed steps took the host longer than "
+                         "the GPU sleep that held their kernels back (a slow batch?): not timed"
+                         + ("" if self.probe.steps else "; the GPU work is the trace's"))
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
@@ -318,7 +323,7 @@ def _step_at(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 2}
+QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -339,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-at", type=_step_at, metavar="FILE:LINE",
                    help="a step ends each time this line runs (loops without optimizer.step())")
     p.add_argument("--quick", action="store_true",
-                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 2")
+                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4")
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("script", help="the training script, run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")

@@ -9,9 +9,10 @@ allocator growth are not blamed on the loop):
   3. probe     (CUDA) a few steps queued behind a GPU sleep kernel, so the step's kernels run
                back to back: the GPU time the step really needs, without launch gaps.
   4. kernels   (CUDA, or trace=path) 3 steps under torch.profiler: the kernels' GPU time (the
-               GPU work figure when the step syncs) and, with trace=, a Perfetto trace.
-The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines.
-"""
+               GPU work figure when the step syncs), the host's time blocked in syncs and the GPU
+               idle they cause, and, with trace=, a Perfetto trace.
+The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines
+(and the time the monitored steps spend at the audited sync lines)."""
 from __future__ import annotations
 
 import bisect
@@ -33,7 +34,7 @@ import torch
 from ._boundary import Boundaries
 from ._loader import timed_dataloaders
 from ._sampler import StackSampler
-from .audit import Audit
+from .audit import ASYNC_COPY, Audit
 from .findings import Finding, is_minor, launch_finding, starvation_finding, sync_findings
 from .monitor import MonitorSummary, StepMonitor
 from .report import render_doctor
@@ -52,9 +53,14 @@ class Diagnosis:
     gpu_pure_ms: float | None = None   # the probe's queue-full time
     gpu_trace_ms: float | None = None  # kernel time per step from the trace (short gaps in)
     sync_bubble_ms: float | None = None  # GPU idle after the syncs per step, from the trace
+    sync_idle_ms: float | None = None  # GPU idle the syncs cause per step, from the trace
+    sync_count: float | None = None    # syncs per step in the trace
     gpu_work_ms: float | None = None   # the GPU work the step needs: what no host fix goes below
     gpu_work_source: str = ""
-    sync_ms: float = 0.0
+    sync_ms: float = 0.0               # host time blocked in syncs per step
+    sync_ms_source: str = ""           # "kernel trace" | "audit"
+    host_ms: float | None = None       # the step less the time blocked in syncs
+    sync_cost_ms: float = 0.0          # what removing every sync wins back per step
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
     cpu_split: dict = field(default_factory=dict)
@@ -94,10 +100,13 @@ class Diagnosis:
             "headroom_ms": self.headroom_ms,
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
-            "sync_ms": self.sync_ms, "gpu_work_ms": self.gpu_work_ms,
+            "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
+            "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,
+            "gpu_work_ms": self.gpu_work_ms,
             "gpu_work_source": self.gpu_work_source, "gpu_span_ms": self.gpu_busy_ms,
             "gpu_probe_ms": self.gpu_pure_ms, "gpu_trace_ms": self.gpu_trace_ms,
             "sync_bubble_ms": self.sync_bubble_ms,
+            "sync_idle_ms": self.sync_idle_ms, "sync_count": self.sync_count,
             "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
             "top_predicted_ms": top.predicted_ms if top else None,
             "findings": [f.as_dict() for f in self.findings],
@@ -122,6 +131,14 @@ def _sync(gpu: bool) -> None:
         torch.cuda.synchronize()
 
 
+def covered(host_ms: float, cover_ms: float) -> bool:
+    """Whether a probed step was enqueued while the sleep still held the GPU: a step whose host
+    time (a slow batch, say) outlasts the sleep runs its kernels as they come, and timing it would
+    read host time as GPU work (a data-bound step read 81 ms queue-full against 12.6 ms of
+    kernels). 10% of margin: the sleep may have started before begin() returned."""
+    return host_ms <= 0.9 * cover_ms
+
+
 class QueueProbe:
     """GPU time of steps with their kernels queued back to back: each step is enqueued behind a
     sleep kernel long enough to cover its CPU time (twice over, plus 2 ms, at most 500 ms) and
@@ -131,7 +148,9 @@ class QueueProbe:
         self.cover_ms = min(500.0, 2.0 * host_ms + 2.0)
         self._cycles_per_ms: float | None = None
         self._start = None
+        self._host_t0 = 0.0
         self._pairs: list = []
+        self.uncovered = 0           # steps whose host time outlasted the sleep: not timed
 
     @staticmethod
     def _calibrate() -> float:
@@ -150,13 +169,17 @@ class QueueProbe:
         torch.cuda._sleep(int(self._cycles_per_ms * self.cover_ms))
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record()
+        self._host_t0 = perf_counter()
 
     def end(self) -> None:
         if self._start is None:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pairs.append((self._start, end))
+        if covered((perf_counter() - self._host_t0) * 1e3, self.cover_ms):
+            self._pairs.append((self._start, end))
+        else:
+            self.uncovered += 1
         self._start = None
 
     @property
@@ -237,25 +260,35 @@ _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 @dataclass
 class KernelTime:
-    """What a torch.profiler trace says per step: the GPU's busy time, and the GPU idle that
-    follows the host-device syncs (from a sync's return until the GPU has work again)."""
+    """What a torch.profiler trace says per step: the GPU's busy time, the GPU idle that follows
+    the host-device syncs (from a sync's return until the GPU has work again), the time the host
+    spent blocked in them, and the GPU idle they cause in all (the bubble, then every gap while
+    the GPU runs right behind the launches, until the host is ahead of it again)."""
     busy_ms: float
     sync_bubble_ms: float | None       # None: the trace holds no CUDA runtime calls
     syncs: float                       # sync calls per step in the trace
+    blocked_ms: float | None = None    # host time inside those sync calls per step
+    sync_idle_ms: float | None = None  # GPU idle from each sync's return until the host leads
+
+
+LEAD_US = 10.0     # a kernel launched this long before the GPU got to it: the host is ahead
 
 
 def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
     """Read a torch.profiler trace of `steps` steps. Busy: the union of kernel, memcpy and memset
     intervals, counting gaps up to `gap_us` (the GPU's own time between back-to-back kernels) as
-    busy. A sync's bubble: the idle gap its return falls in, counted once per gap."""
+    busy. A sync's bubble: the idle gap its return falls in, counted once per gap. Its idle: the
+    bubble and the gaps after it, up to the first GPU op that was launched `LEAD_US` before the
+    GPU was free to run it (the host has got ahead, the queue holds work) or the next sync."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
-    if not spans or steps < 1:
+    ops = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]),
+                  (e.get("args") or {}).get("correlation")) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not ops or steps < 1:
         return None
-    merged = [list(spans[0])]
-    for s, e in spans[1:]:
+    merged = [[ops[0][0], ops[0][1]]]
+    for s, e, _ in ops[1:]:
         if s <= merged[-1][1] + gap_us:
             merged[-1][1] = max(merged[-1][1], e)
         else:
@@ -263,27 +296,57 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
     busy = sum(e - s for s, e in merged)
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                and "dur" in e]
-    bubble = None
-    syncs = 0
-    if runtime:
-        bubble = 0.0
-        starts = [s for s, _ in merged]
-        counted = set()
-        for e in runtime:
-            if e.get("name") not in _SYNC_CALLS:
-                continue
-            t = float(e["ts"]) + float(e["dur"])
-            i = bisect.bisect_right(starts, t)          # the first busy interval after the return
-            if i == 0 or i == len(merged):
-                continue                                # before the steps, or the final drain
-            syncs += 1
-            if i in counted:
-                continue
-            if merged[i - 1][1] <= t + gap_us:          # the GPU was done when the wait ended
-                counted.add(i)
-                bubble += merged[i][0] - merged[i - 1][1]
-        bubble /= 1e3 * steps
-    return KernelTime(busy / 1e3 / steps, bubble, syncs / steps)
+    if not runtime:
+        return KernelTime(busy / 1e3 / steps, None, 0.0)
+    # A copy to pageable host memory (what .item() and .cpu() make) returns only once the GPU
+    # has run everything before it: the host waits inside cudaMemcpyAsync, not in the
+    # cudaStreamSynchronize that follows.
+    to_pageable = {(e.get("args") or {}).get("correlation") for e in events
+                   if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))
+                   and "Pageable" in str(e.get("name"))}
+    to_pageable.discard(None)
+    launched = {}
+    waits = []
+    for e in runtime:
+        c = (e.get("args") or {}).get("correlation")
+        if e.get("name") in _SYNC_CALLS or (c in to_pageable and "Memcpy" in e.get("name", "")):
+            waits.append(e)
+        elif c is not None:
+            launched.setdefault(c, float(e["ts"]))
+    starts = [s for s, _ in merged]
+    op_starts = [s for s, _, _ in ops]
+    returns = []                                      # (return time, blocked µs) of step syncs
+    for e in waits:
+        t = float(e["ts"]) + float(e["dur"])
+        i = bisect.bisect_right(starts, t)            # the first busy interval after the return
+        if i == 0 or i == len(merged):
+            continue                                  # before the steps, or the final drain
+        returns.append((t, float(e["dur"]), i))
+    returns.sort()
+    bubble = idle = blocked = 0.0
+    counted = set()
+    for k, (t, dur, i) in enumerate(returns):
+        blocked += dur
+        if i not in counted and merged[i - 1][1] <= t + gap_us:   # the GPU was done at the return
+            counted.add(i)
+            bubble += merged[i][0] - merged[i - 1][1]
+        stop = returns[k + 1][0] if k + 1 < len(returns) else math.inf
+        j = bisect.bisect_left(op_starts, t)
+        free = max(t, merged[i - 1][1])               # when the GPU had nothing left to run
+        for s, e, c in ops[j:]:
+            if s >= stop:
+                break
+            at = launched.get(c)
+            if at is not None and at < free - LEAD_US:
+                break                                 # queued ahead: the host leads again
+            if s > free + gap_us:
+                idle += s - free
+            free = max(free, e)
+    per = 1e3 * steps
+    # A copy's wait and the stream sync right after it (.item()) hold the GPU up once: syncs
+    # with no GPU work between them count as one.
+    points = len({i for _, _, i in returns})
+    return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per)
 
 
 def _autocast_on() -> bool:
@@ -342,7 +405,7 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     measured). `notes` come first in the report's notes."""
     d = Diagnosis(summary, audit, warmup, step_ms, gpu, notes=list(notes), boundary=boundary)
     cupti = audit.backend == "cupti"
-    d.sync_ms = audit.blocked_ms_per_step() if cupti else 0.0
+    audit_ms = audit.blocked_ms_per_step() if cupti else 0.0
     if cupti:
         d.kernels = audit.kernels / audit.step_count
     d.launch_us = launch_us
@@ -351,36 +414,77 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     gpu_trace_ms = kernel_time.busy_ms if kernel_time else None
     d.gpu_pure_ms, d.gpu_trace_ms = gpu_pure_ms, gpu_trace_ms
     d.sync_bubble_ms = kernel_time.sync_bubble_ms if kernel_time else None
+    d.sync_idle_ms = kernel_time.sync_idle_ms if kernel_time else None
+    d.sync_count = kernel_time.syncs if kernel_time else None
     step = step_ms
+    # The time the host spends blocked in syncs. The trace's figure is the one to trust: the
+    # audit's CUPTI callbacks slow every CUDA call down, so by the time the audited host reaches
+    # a sync the GPU has often caught up (a Lightning step blocked 0.015 ms/step under the audit
+    # and ~2 ms/step without it).
+    # The trace and the audit both slow the host down (less so the trace), so by the time the
+    # host reaches a sync there the GPU has caught up further than in the monitored steps: the
+    # stack samples of the monitored steps at the audited sync lines are the third figure, and
+    # the largest of the three the closest (each reads low, none high but by sampling noise).
+    sources = [(audit_ms, "audit")] if cupti else []
+    if kernel_time is not None and kernel_time.blocked_ms is not None:
+        sources.append((kernel_time.blocked_ms, "kernel trace"))
+    if cupti and sampler is not None and sampler.total and audit.sites:
+        keys = {(x.site.file, x.site.line, x.site.via) for x in audit.sites.values()
+                if not (x.kinds == {ASYNC_COPY} and x.count < audit.step_count)}
+        hits = sum(n for k, n in sampler.counts.items() if k in keys)
+        sources.append((step * hits / sampler.total, "stack samples"))
+    d.sync_ms, d.sync_ms_source = max(sources, default=(0.0, ""), key=lambda v: v[0])
 
     # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
     # own gaps between them (as a CUDA graph replays them), but a sync inside the step empties
-    # the queue and the host's time after it counts too: with a sync every step the trace's
-    # kernel time is the one to trust. On a GPU busy through the whole step (the event span fills
-    # it, the probe within 20%) the span is the better figure: the probe, taken after an idle
-    # sleep, read up to 11% low on an H200 (clocks), which would promise gains that are not there.
-    syncs_matter = cupti and d.sync_ms >= 0.01 * step
-    per_step = sum(s.count for s in audit.sites.values()) / audit.step_count if cupti else 0.0
+    # the queue and the host's time after it counts too (a Lightning step with one read 18.0 ms
+    # queue-full against 16.5 ms of kernels): with a sync every step the trace's kernel time is
+    # the one to trust, however little the sync blocks. On a GPU busy through the whole step
+    # (the event span fills it, the probe within 20%) the span is the better figure: the probe,
+    # taken after an idle sleep, read up to 11% low on an H200 (clocks), which would promise
+    # gains that are not there.
+    per_step = sum(s.count for s in audit.sites.values() if s.kinds != {ASYNC_COPY}) / \
+        audit.step_count if cupti else 0.0
+    traced_syncs = kernel_time.syncs if kernel_time is not None and \
+        kernel_time.sync_bubble_ms is not None else None
+    every_step = per_step >= 1 or (traced_syncs is not None and traced_syncs >= 1)
+    syncs_matter = d.sync_ms >= 0.01 * step
     if gpu:
         order = ((gpu_trace_ms, "kernel trace"), (gpu_pure_ms, "queue full"))
-        if not (syncs_matter and per_step >= 1):
+        if not every_step:
             order = order[::-1]
         d.gpu_work_ms, d.gpu_work_source = next(((v, k) for v, k in order if v is not None),
                                                 (None, ""))
         if d.gpu_work_ms is not None and gpu_span_ms and step > 0 and \
                 d.gpu_work_ms >= 0.8 * step and gpu_span_ms >= 0.9 * step and \
-                per_step < 1 and summary.data_ms < 0.05 * step and \
+                not every_step and summary.data_ms < 0.05 * step and \
                 gpu_span_ms > d.gpu_work_ms:
             d.gpu_work_ms, d.gpu_work_source = min(gpu_span_ms, step), "busy all step"
     G = d.gpu_work_ms
 
+    # The host's own time per step: the step less the time blocked in syncs (data wait in).
+    # Without its syncs the host runs ahead of the GPU and the step takes max(host, G); a sync
+    # costs the rest: at most the time it blocks (the host still does its own work), at most the
+    # GPU idle of the step, and at most the GPU idle the trace sees it cause (from its return
+    # until the host leads the GPU again).
+    host_ms = max(0.0, step - d.sync_ms)
+    d.host_ms = host_ms
+    sync_cost = min(d.sync_ms, max(0.0, step - (G or 0.0)))
+    if kernel_time is not None:
+        caused = kernel_time.sync_idle_ms if kernel_time.sync_idle_ms is not None else \
+            kernel_time.sync_bubble_ms
+        if caused is not None:
+            sync_cost = min(sync_cost, caused)
+    d.sync_cost_ms = sync_cost
+
     # Where the body's CPU time goes: launches (kernels x the launch cost measured here), syncs,
     # and the rest (Python, the framework, host-side data work).
     body = summary.cpu_ms
+    blocked_in_body = min(d.sync_ms, body)
     if gpu and d.kernels is not None and launch_us:
-        launches = min(d.kernels * launch_us / 1e3, max(0.0, body - d.sync_ms))
-        d.cpu_split = {"launches_ms": launches, "syncs_ms": d.sync_ms,
-                       "rest_ms": max(0.0, body - d.sync_ms - launches)}
+        launches = min(d.kernels * launch_us / 1e3, max(0.0, body - blocked_in_body))
+        d.cpu_split = {"launches_ms": launches, "syncs_ms": blocked_in_body,
+                       "rest_ms": max(0.0, body - blocked_in_body - launches)}
     if sampler is not None and sampler.total:
         d.samples, d.lines = sampler.total, sampler.top()
 
@@ -390,13 +494,12 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
                   if cupti and not s.site.chain and s.kinds & {2, 3, 1}
                   and (".to(" in s.site.code or ".cuda(" in s.site.code))
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
-                           data_cpu=summary.data_cpu)
+                           data_cpu=summary.data_cpu, host_ms=host_ms)
     if f:
         findings.append(f)
-    enqueue_ms = max(0.0, body - d.sync_ms)
-    findings += sync_findings(audit, step, G, d.sync_bubble_ms,
-                              kernel_time.syncs if kernel_time else 0.0,
-                              enqueue_ms + summary.data_ms)
+    enqueue_ms = max(0.0, body - blocked_in_body)
+    findings += sync_findings(audit, step, G, sync_cost,
+                              sampler.counts if sampler is not None and sampler.total else None)
     optimizers = list(audit.optimizers)
     model_settings, speedups, compiled = _model_info(model, autocast)
     # A CUDA graph replays the kernels with less time between them than stream launches leave
@@ -406,7 +509,8 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     if gpu_trace_ms is not None and d.kernels:
         graph_ms = min(G or math.inf, gpu_trace_ms + d.kernels * GRAPH_GAP_US / 1e3)
     f = launch_finding(enqueue_ms, G, d.kernels, step, summary.data_ms, launch_us, optimizers,
-                       optimizer_ms, compiled, graph_ms) if gpu else None
+                       optimizer_ms, compiled, graph_ms, host_ms,
+                       every_step and d.sync_ms > 0) if gpu else None
     if f:
         findings.append(f)
     for f in findings:
@@ -456,9 +560,10 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     if summary.loader:
         d.settings.append(_loader_setting(summary.loader))
     d.settings += model_settings
-    if syncs_matter and gpu_pure_ms is not None and gpu_trace_ms is None:
-        d.notes.append("the step syncs, so the queue-full GPU time includes waits; fix the "
-                       "syncs first, then run the doctor again for the launch-bound verdict")
+    if every_step and gpu_pure_ms is not None and gpu_trace_ms is None:
+        d.notes.append("the step syncs, so the queue-full GPU time includes the host's time "
+                       "after each sync; fix the syncs first, then run the doctor again for the "
+                       "launch-bound verdict")
     elif cupti and audit.sites and not syncs_matter and gpu_pure_ms is not None:
         d.minor_notes.append(f"the step syncs, but the waits take {d.sync_ms:.3f} ms/step")
     return d

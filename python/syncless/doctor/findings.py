@@ -1,10 +1,13 @@
 """What costs a step time, and what its fix wins back.
 
-The model: a step of S ms whose GPU work takes G ms can get no faster than G. A fix that takes x ms
-of the CPU's (or the loader's) time out of the step leaves max(S - x, G): a sync blocks the host for
-b ms, but removing it only wins the GPU idle that the wait caused, so in a GPU-bound step it wins
-nothing. Every fix carries the step time it predicts; a finding is ranked by what its best fix wins
-back, and one that wins less than 1% of the step is minor."""
+The model: a step of S ms whose GPU work takes G ms can get no faster than G. The host blocks Y ms
+per step in syncs, so its own work (Python, launches, data wait) takes H = S - Y. Without syncs the
+host runs ahead of the GPU and the step takes max(H, G): removing every sync wins
+min(Y, S - G, the GPU idle the syncs cause), nothing in a GPU-bound step, and in a CPU-bound step
+no more than they block. Removing x ms of the host's own work (the data wait) wins
+max(H, G) - max(H - x, G): nothing while the GPU is the slower side. Every fix carries the step
+time it predicts; a finding is ranked by what its best fix wins back, and one that wins less than
+1% of the step is minor."""
 from __future__ import annotations
 
 import math
@@ -69,14 +72,19 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
-                       cpus: int | None = None, data_cpu: float | None = None) -> Finding | None:
+                       cpus: int | None = None, data_cpu: float | None = None,
+                       host_ms: float | None = None) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
-    pageable copy (removed by pin_memory + non_blocking, which the fix includes)."""
+    pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
+    the step less its time blocked in syncs (None: the whole step)."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
     removed = data_ms + (copy_ms if pin else 0.0)
-    target = after(step_ms, removed, gpu_ms)
+    host = step_ms if host_ms is None else min(host_ms, step_ms)
+    floor = gpu_ms or 0.0
+    wins = max(host, floor) - max(host - removed, floor)
+    target = max(0.0, step_ms - max(0.0, wins))
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
     fixes = []
     workers = plan.workers
@@ -119,34 +127,42 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
 # ---- syncs -----------------------------------------------------------------------------------
 
 def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
-                  bubble_ms: float | None = None, trace_syncs: float = 0.0,
-                  floor_ms: float = 0.0) -> list:
+                  wins_ms: float | None = None, samples: dict | None = None) -> list:
     """One finding per sync line of user code; syncs made inside a framework are grouped into one
     finding per framework, naming the settings that remove them.
 
-    What removing syncs wins: the GPU idle they cause. `bubble_ms` is that idle per step as the
-    kernel trace measured it (from each sync's return until the GPU has work again), shared among
-    the findings by how often each syncs; without it, the time the syncs block (`blocked_ns`),
-    bounded by the GPU work. Either way the step stays at least `floor_ms` (the CPU's own work) and
-    the GPU work."""
+    `wins_ms`: what removing every sync of the step wins back (the module's model; None: the
+    audit's blocked time bounded by the GPU idle). Each finding gets the share of it that its
+    syncs block: by the monitored steps' stack samples at their lines (`samples`, keyed by
+    (file, line, via)) when those saw the syncs, else by the audit's blocked time, else by how
+    often they sync."""
     out = []
     steps = audit.step_count
     timed = audit.backend == "cupti"
     frameworks: dict[str, list] = {}
-    total_count = sum(s.count for s in audit.sites.values()) / steps or 1.0
-    idle = max(0.0, step_ms - (gpu_ms or 0.0))
+    kept = [s for s in audit.sites.values()
+            if not (s.kinds == {ASYNC_COPY} and s.count / steps < 1)]
+    total_ns = sum(s.blocked_ns for s in kept)
+    total_count = sum(s.count for s in kept) or 1
+    samples = samples or {}
 
-    def removed(blocked: float, per_step: float) -> float:
-        if bubble_ms is None:
-            return blocked
-        if trace_syncs > 0:
-            return bubble_ms * per_step / total_count
-        return min(blocked, per_step * idle)    # rarer than once per traced step
+    def sampled(s: Any) -> int:
+        return samples.get((s.site.file, s.site.line, s.site.via), 0)
 
-    def predict(blocked: float, per_step: float) -> float | None:
+    total_samples = sum(sampled(s) for s in kept)
+    if wins_ms is None:
+        wins_ms = min(total_ns / 1e6 / steps, max(0.0, step_ms - (gpu_ms or 0.0)))
+
+    def predict(group: list) -> float | None:
         if not timed:
             return None
-        return max(after(step_ms, removed(blocked, per_step), gpu_ms), floor_ms)
+        if total_samples >= 3:
+            share = sum(sampled(s) for s in group) / total_samples
+        elif total_ns >= 1000 * steps:
+            share = sum(s.blocked_ns for s in group) / total_ns
+        else:
+            share = sum(s.count for s in group) / total_count
+        return max(0.0, step_ms - wins_ms * min(1.0, share))
 
     for s in audit.ranked():
         ms = s.blocked_ns / 1e6 / steps if timed else 0.0
@@ -160,9 +176,9 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
             frameworks.setdefault(fw.framework, []).append((s, fw, ms, per_step))
             continue
         what = ", ".join(s.what)
-        blocked = f", blocking {ms:.3f} ms/step" if timed else ""
+        blocked = f", blocking {ms:.3f} ms/step under the audit" if timed else ""
         via = f" (via {s.site.via})" if s.site.via else ""
-        predicted = predict(ms, per_step)
+        predicted = predict([s])
         fix = Fix(s.fix() if not s.site.chain else
                   f"the sync is made inside library code ({s.site.via} `"
                   f"{s.site.chain[0].code()}`), entered from your line: the fix is a setting of "
@@ -172,10 +188,10 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
                            [fix], s.where, {"blocked_ms": ms, "per_step": per_step}))
     for name, sites in frameworks.items():
         total = sum(ms for _, _, ms, _ in sites)
-        predicted = predict(total, sum(p for _, _, _, p in sites))
+        predicted = predict([x for x, _, _, _ in sites])
         lines, fixes = [], []
         for s, fw, ms, per_step in sites:
-            blocked = f", {ms:.3f} ms blocked" if timed else ""
+            blocked = f", {ms:.3f} ms blocked under the audit" if timed else ""
             lines.append(f"{fw.frame.where} (entered at {s.where} `{s.site.code}`): "
                          f"{' + '.join(s.what)}, {per_step:g}×/step{blocked}")
             if fw.fix not in fixes:
@@ -196,8 +212,12 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
 def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | None,
                    step_ms: float, data_ms: float = 0.0, launch_us: float | None = None,
                    optimizers: list = (), optimizer_ms: float | None = None,
-                   compiled: bool = False, graph_ms: float | None = None) -> Finding | None:
-    """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it."""
+                   compiled: bool = False, graph_ms: float | None = None,
+                   host_ms: float | None = None, syncs: bool = False) -> Finding | None:
+    """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it.
+    `host_ms`: the step less its time blocked in syncs. With `syncs` (a sync every step) a graph
+    needs them gone first (a graph cannot hold one): the finding wins what the graph adds to
+    that, max(host, GPU work) - the graph's time, and its fix predicts the graph's time."""
     if gpu_ms is None or gpu_ms <= 0 or enqueue_ms <= gpu_ms or step_ms <= 0:
         return None
     if gpu_ms >= 0.9 * step_ms:
@@ -207,7 +227,8 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
     per_kernel = f", {gpu_ms * 1e3 / kernels:.0f} µs of GPU work per kernel" if kernels else ""
     count = f"{kernels:.0f} kernels per step" if kernels else "kernels"
     graph = after(step_ms, step_ms, max(graph_ms or gpu_ms, data_ms))
-    fixes = [Fix("capture the step in a CUDA graph, which replaces every launch with one: "
+    first = ("once the step's syncs are gone (a graph cannot hold a sync), " if syncs else "")
+    fixes = [Fix(first + "capture the step in a CUDA graph, which replaces every launch with one: "
                  "torch.compile(model, mode=\"reduce-overhead\"), or torch.cuda.graph / "
                  "torch.cuda.make_graphed_callables around the whole step (static inputs, "
                  "capturable=True for the optimizer)", graph, "cuda-graph")]
@@ -225,7 +246,11 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
                          + (f" ~{launch_us:.1f} µs" if launch_us else "")
                          + "; no prediction (it depends on what fuses)", None, "fusion"))
     fixes.append(Fix("raise the batch size: the same launches do more work each", None, "batch"))
-    f = Finding("launch-bound", "Launch-bound", step_ms - graph,
+    host = step_ms if host_ms is None else min(host_ms, step_ms)
+    wins = (max(host, gpu_ms) if syncs else step_ms) - graph
+    if wins <= 0:
+        return None
+    f = Finding("launch-bound", "Launch-bound", wins,
                 f"the CPU needs {enqueue_ms:.2f} ms to enqueue a step whose GPU work takes "
                 f"{gpu_ms:.2f} ms ({count}{per_kernel}): the GPU waits for launches", fixes)
     return f

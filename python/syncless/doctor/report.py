@@ -88,8 +88,10 @@ def render_doctor(d: Any) -> str:
         if cpu.get("launches_ms") is not None:
             rows.append([f"  kernel launches ({d.kernels:.0f} × {d.launch_us:.1f} µs)",
                          f"{cpu['launches_ms']:.3f}", _pct(cpu["launches_ms"], step)])
-        rows.append(["  syncs (blocked)", f"{d.sync_ms:.3f}" if cupti else "n/a",
-                     _pct(d.sync_ms, step) if cupti else "-"])
+        known = cupti or bool(d.sync_ms_source)
+        shown = cpu.get("syncs_ms", d.sync_ms)
+        rows.append(["  syncs (blocked)", f"{shown:.3f}" if known else "n/a",
+                     _pct(shown, step) if known else "-"])
         if cpu.get("rest_ms") is not None:
             rows.append(["  other host work", f"{cpu['rest_ms']:.3f}", _pct(cpu["rest_ms"], step)])
         if d.gpu_work_ms is not None:
@@ -103,6 +105,14 @@ def render_doctor(d: Any) -> str:
     if d.kernels is not None and "launches_ms" not in cpu:
         rows.append(["kernels / step", f"{d.kernels:.1f}", ""])
     lines += ["  " + line for line in _table(rows, ["", "ms/step", "share"])]
+    if d.gpu and d.sync_ms > 0 and d.host_ms is not None and d.gpu_work_ms is not None:
+        count = (f"{d.sync_count:g} sync{'' if d.sync_count == 1 else 's'}/step" if d.sync_count
+                 else "the syncs")
+        floor = max(d.host_ms, d.gpu_work_ms)
+        lines.append(f"  {count} block the host {d.sync_ms:.3f} ms ({d.sync_ms_source}); its own "
+                     f"work takes {d.host_ms:.2f} ms, so without them the step could take "
+                     f"max({d.host_ms:.2f}, {d.gpu_work_ms:.2f}) = {floor:.2f} ms: they cost "
+                     f"{d.sync_cost_ms:.3f} ms/step")
     if d.lines:
         lines.append("")
         lines.append(f"host time by line (sampled, {d.samples} samples):")

@@ -1,0 +1,274 @@
+"""The doctor's cost model (CPU): what a sync, a data wait and the launches cost a step, from the
+host's blocked time, the GPU work and the GPU idle the syncs cause, as a trace measures them.
+
+The numbers in the assess() cases are those the doctor measured on the H200 corpus
+(benchmarks/results/doctor_corpus.json), so each case is a real step's measurements."""
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from syncless.doctor import Audit, doctor
+from syncless.doctor._frames import caller_site
+from syncless.doctor._sampler import StackSampler
+from syncless.doctor.audit import SYNC
+from syncless.doctor.diagnose import KernelTime, assess, trace_gpu
+from syncless.doctor.monitor import MonitorSummary
+
+
+def cupti_audit(sites, steps=4, kernels_per_step=0):
+    """An Audit as the CUPTI path leaves it: `sites` are (Site, call, kind, ns per call, calls
+    per step), the Sites real lines of this file."""
+    a = Audit(steps=steps)
+    a.backend = "cupti"
+    a.elapsed_s = 0.01
+    a.kernels = kernels_per_step * steps
+    for site, name, kind, ns, per_step in sites:
+        for _ in range(steps * per_step):
+            a._add(a.sites, site, name, kind, ns, True)
+    return a
+
+
+def summary(step_ms, data_ms=0.0, cpu_ms=None):
+    cpu = step_ms - data_ms if cpu_ms is None else cpu_ms
+    return MonitorSummary(15, data_ms, cpu, step_ms, None, 0, None, 0.0,
+                          {"num_workers": 0, "pin_memory": True, "persistent_workers": False,
+                           "prefetch_factor": None})
+
+
+def item_site():
+    return caller_site(0)._replace(code="total_loss += loss.item()")
+
+
+# ---- the trace ----------------------------------------------------------------------------------
+
+def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path):
+    def k(ts, dur, c):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": "k", "args": {"correlation": c}}
+
+    def launch(ts, c):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": 4, "name": "cudaLaunchKernel",
+                "args": {"correlation": c}}
+
+    def sync(ts, dur):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": dur, "name": "cudaStreamSynchronize"}
+
+    events = [
+        # step 1: two kernels, a sync that returns at 202 (the GPU was done at 201), then three
+        # kernels each launched after the GPU ran dry (lockstep), then one queued long before the
+        # GPU reached it (launched at 600, run at 812): from there the host leads
+        launch(-10, 1), k(0, 100, 1), launch(50, 2), k(101, 100, 2), sync(50, 152),
+        launch(390, 3), k(400, 50, 3), launch(455, 4), k(460, 50, 4),
+        launch(505, 5), k(512, 300, 5), launch(600, 6), k(812, 100, 6),
+        launch(1150, 7), k(1200, 100, 7),
+        # step 2: an .item(): its copy to pageable memory waits inside cudaMemcpyAsync for the
+        # GPU (returning at 1305), the stream sync after it returns at 1310; two lockstep
+        # kernels; then the final drain
+        {"cat": "cuda_runtime", "ts": 1000, "dur": 305, "name": "cudaMemcpyAsync",
+         "args": {"correlation": 50}},
+        {"cat": "gpu_memcpy", "ts": 1300, "dur": 2, "name": "Memcpy DtoH (Device -> Pageable)",
+         "args": {"correlation": 50}},
+        sync(1306, 4), launch(1490, 8), k(1500, 100, 8), launch(1602, 9), k(1605, 50, 9),
+        sync(1655, 10)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    t = trace_gpu(str(tmp_path / "t.json"), 2)
+    assert t.busy_ms == pytest.approx(0.955 / 2)
+    assert t.syncs == 1.0, "the copy and its stream sync hold the GPU up once; the drain after " \
+        "the last kernel is no step's sync"
+    assert t.blocked_ms == pytest.approx((0.152 + 0.305 + 0.004) / 2)
+    assert t.sync_bubble_ms == pytest.approx((0.199 + 0.198) / 2)
+    # after the first sync: 202 -> 400 and 450 -> 460 (the 2 µs before 512 is the GPU's own gap);
+    # the kernel at 812 was queued ahead, so the 912 -> 1200 gap is the host's, not the sync's;
+    # after the second: 1310 -> 1500 and 1600 -> 1605
+    assert t.sync_idle_ms == pytest.approx((0.198 + 0.010 + 0.190 + 0.005) / 2)
+
+
+# ---- syncs --------------------------------------------------------------------------------------
+
+def test_a_sync_in_a_host_bound_step_wins_no_more_than_it_blocks():
+    # lstm_lm as first sized: 7.32 ms steps, the host busy 7.23 ms of them with 386 launches,
+    # 6.01 ms of kernels, a loss.item() every step that blocks 0.006 ms (the GPU is done by then),
+    # then 1.6 ms of GPU idle while the host encodes the next batch. The probe read 7.18 ms: its
+    # queue empties at the .item(), so it times the host's work after it too.
+    a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 6_000, 1)], kernels_per_step=386)
+    d = assess(summary(7.32, cpu_ms=7.23), a, 2, 7.32, True, 8.0, 7.18, 3,
+               kernel_time=KernelTime(6.01, 1.6, 1.0, 0.006, 1.6), launch_us=7.5)
+    assert (d.gpu_work_ms, d.gpu_work_source) == (6.01, "kernel trace"), \
+        "a sync every step: the trace's kernel time, not the probe"
+    sync = d.finding("sync")
+    assert sync in d.minor and sync.cost_ms == pytest.approx(0.006), \
+        "the host still does its 7.3 ms without the sync"
+    assert d.findings[0].kind == "launch-bound"
+    assert d.verdict_kind == "CPU-bound" and "kernel launches" in d.verdict
+    assert d.host_ms == pytest.approx(7.314)
+
+
+def test_a_sync_costs_the_idle_it_causes_when_the_host_could_run_ahead():
+    # lightning_pbar: 18.65 ms steps, 0.37 ms of them data wait, 16.49 ms of kernels, the
+    # progress bar's .item() blocking 2.3 ms a step (in the trace; the audit's slowed host saw
+    # 0.015 ms), and the GPU idle 2.1 ms from its returns until the host led again. Without it the
+    # host's 16.35 ms hide behind the GPU: the step goes to ~16.5 ms (its twin measured 16.67).
+    a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 7_500, 2)], kernels_per_step=407)
+    d = assess(summary(18.65, 0.37, 18.07), a, 2, 18.65, True, 20.0, 18.0, 3,
+               kernel_time=KernelTime(16.49, 1.48, 2.0, 2.3, 2.1), launch_us=8.2)
+    assert d.gpu_work_source == "kernel trace" and d.sync_ms == 2.3
+    top = d.findings[0]
+    assert top.kind == "sync" and top.cost_ms == pytest.approx(2.1)
+    assert top.fixes[0].predicted_ms == pytest.approx(16.55)
+    assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict
+    data = d.finding("starvation")
+    assert data in d.minor and data.cost_ms == pytest.approx(0.0), \
+        "the host's 16.35 ms (data wait in) are shorter than the GPU's: the wait costs nothing"
+    assert d.finding("launch-bound") is None, "the host enqueues faster than the GPU runs"
+
+
+def test_syncs_share_what_removing_them_wins_by_their_blocked_time():
+    # hf_trainer: two syncs a step in the Trainer block 4.84 ms, one in the masking code 0.008
+    # ms; the step is 21.77 ms with 17.46 ms of kernels. Removing every sync wins the GPU idle
+    # they cause (4.3 ms): the Trainer's syncs get nearly all of it.
+    trainer = item_site()._replace(code="tr_loss_step = ...")
+    masking = caller_site(0)._replace(code="trainer.train()")
+    a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 2_420_000, 2),
+                     (masking, "cudaStreamSynchronize", SYNC, 8_000, 1)], kernels_per_step=466)
+    d = assess(summary(21.77, 0.30, 21.41), a, 2, 21.77, True, 23.3, 22.3, 3,
+               kernel_time=KernelTime(17.46, 0.75, 3.0, 4.9, 4.5), launch_us=10.9)
+    costs = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
+    first = d.findings[0]
+    assert first.kind == "sync" and first.extra["per_step"] == 2
+    assert first.cost_ms == pytest.approx(4.31 * 4.84 / 4.848, rel=1e-3)
+    assert len(costs) == 2 and min(costs.values()) < 0.01
+    assert d.verdict_kind == "CPU-bound"
+    assert d.finding("starvation") in d.minor
+
+
+def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
+    a = cupti_audit([], kernels_per_step=300)
+    d = assess(summary(17.0, 0.25, 14.0), a, 2, 17.0, True, 16.9, 16.6, 3,
+               kernel_time=KernelTime(16.5, None, 0.0), launch_us=8.0)
+    assert d.verdict_kind == "GPU-bound" and d.findings == [], d.report()
+    assert d.sync_cost_ms == 0.0
+
+
+# ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
+
+class Sleepy(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.ones(4)
+
+
+def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
+    model = nn.Linear(4, 4)
+
+    def step(batch):
+        model(batch).sum().backward()
+        time.sleep(0.005)
+
+    d = doctor(step, steps=5, warmup=1, loader=DataLoader(Sleepy(), batch_size=1), file=None)
+    s = d.step_ms                                  # ~25 ms: 20 ms data wait, 5 ms body
+    assert d.summary.data_ms > 3 * d.summary.cpu_ms, d.report()
+    cpu = d.summary
+
+    def with_gpu(gpu_ms):
+        return assess(cpu, d.audit, 1, s, True, gpu_ms, gpu_ms, 3,
+                      kernel_time=KernelTime(gpu_ms, None, 0.0))
+
+    # A GPU that needs a tenth of the step: the loader is the bottleneck, its fix the top one.
+    fast = with_gpu(0.1 * s)
+    assert fast.verdict_kind == "data-bound" and fast.findings[0].kind == "starvation"
+    assert fast.findings[0].fixes[0].predicted_ms == pytest.approx(
+        max(s - cpu.data_ms, 0.1 * s))
+    # A GPU busy 95% of the step: the wait overlaps the GPU's work; at most 5% to win.
+    slow = with_gpu(0.95 * s)
+    assert slow.verdict_kind == "GPU-bound"
+    assert slow.finding("starvation").cost_ms == pytest.approx(0.05 * s)
+
+
+def test_the_monitored_steps_stack_samples_time_a_sync_the_audit_saw_barely_block():
+    # lstm_lm resized (batch 512, hidden 1536) on the H200: 18.17 ms steps, 17.61 ms of host
+    # body, 13.45 ms of kernels; the .item() blocked 4.4 ms/step under the audit and 1.4 ms in the
+    # trace (both slow the host), while 40 of the monitored steps' 102 stack samples sat on its
+    # line: 7.1 ms/step, which leaves the host 11.1 ms of its own (its twin measured 11.2 ms).
+    site = item_site()
+    a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 4_360_000, 1)], kernels_per_step=387)
+    sampler = StackSampler()
+    sampler.counts[(site.file, site.line, site.via)] = 40
+    sampler.counts[(site.file, site.line + 1, "")] = 62
+    sampler.total = 102
+    d = assess(summary(18.17, cpu_ms=17.61), a, 2, 18.17, True, 95.0, 17.69, 3,
+               kernel_time=KernelTime(13.45, 3.94, 1.0, 1.384, 4.65), launch_us=8.5,
+               sampler=sampler)
+    assert d.sync_ms_source == "stack samples"
+    assert d.sync_ms == pytest.approx(18.17 * 40 / 102)
+    assert d.finding("launch-bound") is None, \
+        "11.1 ms of the host's own work enqueue faster than the GPU's 13.45 ms run"
+    top = d.findings[0]
+    assert top.kind == "sync" and top.cost_ms == pytest.approx(4.65)
+    assert top.fixes[0].predicted_ms == pytest.approx(13.52)
+    assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict
+    assert "syncs (blocked)" in d.report() and "(stack samples)" in d.report()
+
+
+def test_syncs_share_the_win_by_the_monitored_samples_when_the_audit_saw_none_block():
+    # hf_trainer in a second H200 run: under the audit every sync blocked ~0.01-0.02 ms (the
+    # audited host is slow), but 36 of the monitored steps' 100 samples sat at the Trainer's
+    # NaN check and 1 at the masking code's: the Trainer's syncs get nearly all of the 3.4 ms
+    # that removing every sync wins (the GPU idle the trace saw them cause).
+    trainer = item_site()._replace(code="tr_loss_step = ...", via="transformers/trainer.py:1847")
+    masking = item_site()._replace(line=trainer.line + 2, code="trainer.train()",
+                                   via="transformers/masking_utils.py:755")
+    a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 10_000, 2),
+                     (masking, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=466)
+    sampler = StackSampler()
+    sampler.counts.update({(trainer.file, trainer.line, trainer.via): 36,
+                           (masking.file, masking.line, masking.via): 1,
+                           (masking.file, masking.line + 1, ""): 63})   # other host work
+    sampler.total = 100
+    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
+               sampler=sampler)
+    assert d.sync_ms == pytest.approx(22.09 * 0.37) and d.sync_ms_source == "stack samples"
+    first = d.findings[0]
+    assert first.extra["per_step"] == 2 and first.cost_ms == pytest.approx(3.405 * 36 / 37)
+    assert d.finding("launch-bound") is None
+    assert d.verdict_kind == "CPU-bound"
+
+
+def test_a_graph_of_a_step_that_syncs_wins_only_what_it_adds_to_removing_the_syncs():
+    # hf_trainer's second H200 run: 18 of 100 samples at the Trainer's NaN check (4.0 ms/step
+    # blocked) leave the host 18.1 ms of its own, a little over the 17.41 ms of kernels. A CUDA
+    # graph cannot hold the syncs: it wins only what it adds once they are gone.
+    trainer = item_site()._replace(code="tr_loss_step = ...", via="transformers/trainer.py:1847")
+    a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 10_000, 2)], kernels_per_step=466)
+    sampler = StackSampler()
+    sampler.counts.update({(trainer.file, trainer.line, trainer.via): 18,
+                           (trainer.file, trainer.line + 1, ""): 82})
+    sampler.total = 100
+    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
+               sampler=sampler)
+    sync, launch = d.findings[0], d.finding("launch-bound")
+    assert sync.kind == "sync" and sync.cost_ms == pytest.approx(3.405)
+    # the host is the slower side by 0.7 ms: the data wait's 0.3 ms count, as a minor-ish third
+    assert d.finding("starvation").cost_ms == pytest.approx(0.30, abs=1e-6)
+    graph = 17.41          # at most the GPU work: the kernel trace's time here
+    assert launch.kind == "launch-bound"
+    assert launch.cost_ms == pytest.approx(22.09 - 0.18 * 22.09 - graph)
+    assert launch.fixes[0].startswith("once the step's syncs are gone (a graph cannot hold")
+    assert launch.fixes[0].predicted_ms == pytest.approx(graph)
+    assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict
+
+
+def test_a_probed_step_that_outlasted_its_sleep_is_not_timed():
+    from syncless.doctor.diagnose import QueueProbe, covered
+    # resnet_decode on a loaded H200 host: 84.8 ms steps, one worker batch in 170 ms: a probed
+    # step that waited 160 ms for data outlasted its 171.6 ms sleep's cover (less the margin).
+    cover = QueueProbe(84.8).cover_ms
+    assert cover == pytest.approx(171.6)
+    assert covered(84.8, cover) and not covered(160.0, cover)
