@@ -468,6 +468,7 @@ def test_adapters_refuse_cuda_graph_capture(swandb, tmp_path):
         if swandb:
             with pytest.raises(RuntimeError, match="syncless.wandb: called during CUDA graph"):
                 with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    y.add_(1)                          # an empty capture warns (an error here)
                     swandb.log({"loss": y})
         for i in (1, 2, 3):
             w.add_scalar("loss", x[i], i)

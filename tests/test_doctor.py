@@ -6,6 +6,7 @@ break the expected locations."""
 import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -931,7 +932,9 @@ def test_watch_reads_the_gpu_clock_from_a_gpu_time_logger():
     sets the pace, which matches CUDA events), a loop that sleeps on the host between tiny
     kernels lets the GPU catch up every step."""
     a = torch.randn(4096, 4096, device="cuda")
-    with syncless.Logger(every=16, gpu_time=True) as log:
+    # on the GPU from the start: watch() logs host numbers only, which alone keep a Logger on
+    # the host (no ring, no GPU clock)
+    with syncless.Logger(every=16, gpu_time=True, device="cuda") as log:
         w = watch(range(60), log=log, gpu_every=1)
         for _ in w:
             for _ in range(4):
@@ -942,11 +945,12 @@ def test_watch_reads_the_gpu_clock_from_a_gpu_time_logger():
     c = m.gpu_clock
     assert c is not None and c.steps >= 35, m
     assert c.queue_steps >= 1.0, c                       # several steps queued
-    assert abs(c.pace_ms - m.gpu_ms) <= 0.05 * m.gpu_ms, (c, m.gpu_ms)
+    spans = statistics.median(ms for s, ms in w.monitor.gpu_ms.items() if s >= 20)
+    assert abs(c.pace_ms - spans) <= 0.05 * spans, (c, spans)   # the events' median span
     assert "GPU-bound" in w.report() and "GPU clock" in w.report()
 
     x = torch.zeros(1, device="cuda")
-    with syncless.Logger(every=8, gpu_time=True) as log:
+    with syncless.Logger(every=8, gpu_time=True, device="cuda") as log:
         w = watch(range(30), log=log)
         for _ in w:
             x += 1
