@@ -8,6 +8,9 @@
 
 #include <math.h>
 #include <string.h>
+#ifdef __GLIBC__
+#include <malloc.h> /* malloc_usable_size: how far a TensorImpl may be read */
+#endif
 
 /* Every dtype a metric may have: the kernel's kind number, torch's name, the DLPack code.
  * Exported as _C.KINDS; the torch binding derives its dtype map from it. */
@@ -225,9 +228,26 @@ static int readable(sl_state *st, PyObject *t, const char *data, size_t itemsize
     return (uintptr_t)data != (uintptr_t)off * itemsize; /* equal: the storage has no memory */
 }
 
-/* The words of a TensorImpl searched for the key set: fewer than sizeof(TensorImpl) on every
- * torch 2.x (192 bytes on 64-bit builds), so the search never reads past the object. */
-#define SL_IMPL_WORDS 24
+/* The words of a TensorImpl searched for the key set: at most SL_IMPL_WORDS, and never past the
+ * smallest probe's allocation (torch allocates a TensorImpl with operator new, that is malloc;
+ * 176 bytes on torch 2.13), so the search reads nothing outside the objects. */
+#define SL_IMPL_WORDS 32
+
+static Py_ssize_t impl_words(const char *const *impl, Py_ssize_t n)
+{
+#ifdef __GLIBC__
+    size_t least = SL_IMPL_WORDS * 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t size = malloc_usable_size((void *)impl[i]);
+        if (size < least)
+            least = size;
+    }
+    return (Py_ssize_t)(least / 8);
+#else
+    (void)impl, (void)n;
+    return 22; /* sizeof(TensorImpl) on torch 2.13, x86-64 and aarch64 */
+#endif
+}
 
 /* learn_neg_bit(probes) -> bool: find where this torch keeps a tensor's negative bit.
  * probes: plain tensors, some with the bit. Each one's TensorImpl address (Tensor._cdata) must
@@ -275,7 +295,8 @@ PyObject *sl_learn_neg_bit(PyObject *module, PyObject *probes)
     }
     if (!obj_off)
         Py_RETURN_FALSE;
-    for (Py_ssize_t w = 1; w < SL_IMPL_WORDS; w++) {
+    Py_ssize_t words = impl_words(impl, n);
+    for (Py_ssize_t w = 1; w < words; w++) {
         uint64_t set = ~(uint64_t)0, clear = ~(uint64_t)0;
         for (Py_ssize_t i = 0; i < n; i++) {
             uint64_t keys;
