@@ -29,16 +29,8 @@ import time
 import torch
 
 from benchmarks._common import summarize, median_ci, paired_ratios  # noqa: E402
-
-FLUSH_EVERY = 100
-
-
-class Rows:
-    def __init__(self):
-        self.steps = []
-
-    def write(self, rows):
-        self.steps.extend(r.step for r in rows)
+from benchmarks.compile_step import FLUSH_EVERY, Rows, make_model
+from benchmarks.compile_step import make_forward as step_forward
 
 
 def noop_op():
@@ -58,20 +50,17 @@ def slug(name):
 
 
 def make_forward(model, log, how, op, token):
+    """compile_step's forward (its log() variants all log inside), or the no-op op's."""
+    if how != "noop op":
+        return step_forward(model, log, "log() inside" if how.startswith("log()") else how)
+
     def forward(x, y):
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits, y)
-        if how == "no log":
-            return loss
         acc = (logits.argmax(1) == y).float().mean()
         scale = logits.abs().mean()
-        if how == "metrics returned":
-            return loss, acc, scale
-        if how == "noop op":
-            lr = torch.full((), 0.01, dtype=torch.float64, device=x.device)
-            op(token, [loss, acc, scale, lr], 0, None)
-            return loss
-        log(loss=loss, acc=acc, scale=scale, lr=0.01)
+        lr = torch.full((), 0.01, dtype=torch.float64, device=x.device)
+        op(token, [loss, acc, scale, lr], 0, None)
         return loss
     return forward
 
@@ -288,12 +277,7 @@ def main():
     op = noop_op()
     token = torch.zeros(1, dtype=torch.uint8, device=device)
     torch._dynamo.mark_static_address(token, guard=True)
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
-    layers.append(torch.nn.Linear(512, 10))
-    base = torch.nn.Sequential(*layers).to(device)
+    base = make_model(device, 512, 4)
     gen = torch.Generator(device="cpu").manual_seed(1)
     batches = [(torch.randn(256, 512, generator=gen).to(device),
                 torch.randint(0, 10, (256,), generator=gen).to(device))

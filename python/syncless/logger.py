@@ -522,7 +522,9 @@ class Logger:
         lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
         out, prev = [], None
         for step, ns, lag in list(self._delivery.gpu_steps):   # one C call: never torn
-            gpu = None if prev is None or step <= prev[0] else (ns - prev[1]) / 1e6 / (step - prev[0])
+            gpu = None
+            if prev is not None and step > prev[0]:
+                gpu = (ns - prev[1]) / 1e6 / (step - prev[0])
             out.append((step, gpu, lag))
             prev = (step, ns)
         return out
