@@ -66,6 +66,7 @@ int sl_driver_load(sl_state *st)
         SL_ENTRY(cuLaunchKernel),
         SL_ENTRY(cuMemcpyDtoHAsync),
         SL_ENTRY(cuMemsetD8Async),
+        SL_ENTRY(cuMemsetD32Async),
         SL_ENTRY(cuEventCreate),
         SL_ENTRY(cuEventDestroy),
         SL_ENTRY(cuEventRecord),

@@ -5,12 +5,13 @@
 #ifndef SYNCLESS_LAYOUT_H
 #define SYNCLESS_LAYOUT_H
 
-/* Device ring: a header of SL_HEADER_BYTES (word 0: the write counter, rows ever written;
- * words 1..SL_REPLAY_SLOTS: replay counters of calls captured into CUDA graphs), then rows of
- * 8-byte words: SL_ROW_HEADER_WORDS words (below), the presence mask (one bit per column, in
- * words of 64), then one binary64 value per column. */
+/* Device ring: a header of SL_HEADER_BYTES (word SL_HDR_COUNTER: the write counter, rows ever
+ * written; word SL_HDR_NEXT_STEP: the step a log() without step= takes), then rows of 8-byte words:
+ * SL_ROW_HEADER_WORDS words (below), the presence mask (one bit per column, in words of 64), then
+ * one binary64 value per column. */
 #define SL_HEADER_BYTES 2048
-#define SL_REPLAY_SLOTS 255
+#define SL_HDR_COUNTER 0
+#define SL_HDR_NEXT_STEP 1
 #define SL_ROW_SEQ 0    /* the row's sequence number (the counter when it was written) */
 #define SL_ROW_TAG 1    /* the host's call id; SL_CAPTURED_TAG set for a graph-captured call */
 #define SL_ROW_STEP 2   /* int64 */

@@ -13,7 +13,7 @@
 #include <string.h>
 
 typedef struct {
-    uint64_t ring, counter, tag, replays;
+    uint64_t ring, counter, tag;
     int64_t step;
     double time;
     uint32_t capacity, row_words, mask_words, n;
@@ -29,7 +29,6 @@ typedef struct {
     CUstream last_stream;
     CUevent order; /* orders the ring across a change of the current stream */
     int launched;
-    int captured_calls; /* replay counters handed out */
 } Ring;
 
 typedef struct {
@@ -85,7 +84,6 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     self->row_words = row_words(columns);
     self->last_stream = NULL;
     self->launched = 0;
-    self->captured_calls = 0;
     if (sl_gather_functions(st, device, self->fn) || sl_event_take(st, device, &self->order)) {
         Py_DECREF(self);
         self = NULL;
@@ -154,7 +152,9 @@ static void release(PyObject **keep, uint32_t n)
         Py_XDECREF(keep[i]);
 }
 
-/* Returns 1 when the launch was captured into a CUDA graph, else 0. */
+/* step: the call's step= (>= 0), or -1 for the header's next-step word (consecutive steps,
+ * counted on the device, so CUDA graph replays take them too). Returns 1 when the launch was
+ * captured into a CUDA graph, else 0. */
 static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
@@ -166,7 +166,6 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *keep[SL_MAX_CELLS];
     a.n = 0;
     a.tag = PyLong_AsUnsignedLongLong(args[2]);
-    a.replays = 0;
     a.step = PyLong_AsLongLong(args[3]);
     a.time = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
@@ -188,15 +187,15 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
     if (capturing) {
-        if (self->captured_calls == SL_REPLAY_SLOTS) {
-            PyErr_Format(PyExc_RuntimeError,
-                         "at most %d log() calls of one Logger can be "
-                         "captured into CUDA graphs",
-                         SL_REPLAY_SLOTS);
+        if (a.step >= 0) {
+            /* A replay would write this very step again, every time. */
+            PyErr_SetString(PyExc_RuntimeError,
+                            "log(step=...) inside CUDA graph capture: every replay would log at "
+                            "that same step; drop step= (replays take consecutive steps, "
+                            "counted on the device)");
             goto done;
         }
         a.tag |= SL_CAPTURED_TAG;
-        a.replays = self->base + 8 * (uint64_t)(1 + self->captured_calls++);
     } else if (self->launched && stream != self->last_stream) {
         /* Rows must land in call order: the new stream waits for the ring's last use. */
         if (sl_check(st, st->drv.cuEventRecord(self->order, self->last_stream), "cuEventRecord") ||
@@ -230,10 +229,18 @@ done:
     return PyBool_FromLong(capturing);
 }
 
-/* Zero the header and rows on the current stream (once, before the first gather). */
-static PyObject *Ring_clear(Ring *self, PyObject *unused)
+/* Zero the header and rows on the current stream (once, before the first gather) and set the
+ * next-step word: the step the host has reached (a ring that replaces a narrower one, or the
+ * first one after rows of CPU values). */
+static PyObject *Ring_clear(Ring *self, PyObject *arg)
 {
-    (void)unused;
+    long long next = PyLong_AsLongLong(arg);
+    if (next == -1 && PyErr_Occurred())
+        return NULL;
+    if (next < 0) {
+        PyErr_SetString(PyExc_ValueError, "clear(next_step): next_step must be >= 0");
+        return NULL;
+    }
     sl_state *st = sl_type_state(Py_TYPE(self));
     CUcontext prev;
     CUstream stream;
@@ -244,6 +251,13 @@ static PyObject *Ring_clear(Ring *self, PyObject *unused)
                       st->drv.cuMemsetD8Async(self->base, 0,
                                               ring_bytes(self->capacity, self->row_words), stream),
                       "cuMemsetD8Async");
+    CUdeviceptr word = self->base + 8 * SL_HDR_NEXT_STEP; /* little-endian: low half first */
+    for (int half = 0; half < 2 && !rc; half++) {
+        unsigned bits = (unsigned)((unsigned long long)next >> (32 * half));
+        if (bits)
+            rc = sl_check(st, st->drv.cuMemsetD32Async(word + 4 * half, bits, 1, stream),
+                          "cuMemsetD32Async");
+    }
     sl_leave_device(st, prev);
     if (rc)
         return NULL;
@@ -325,7 +339,9 @@ static PyObject *Ring_get_capacity(Ring *self, void *closure)
 static PyMethodDef Ring_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))Ring_gather, METH_FASTCALL,
      "gather(metrics, columns, tag, step, time) -> captured: enqueue one row (one launch)."},
-    {"clear", (PyCFunction)Ring_clear, METH_NOARGS, "Zero the ring on the current stream."},
+    {"clear", (PyCFunction)Ring_clear, METH_O,
+     "clear(next_step): zero the ring on the current stream; log() without step= goes on from "
+     "next_step."},
     {"capturing", (PyCFunction)Ring_capturing, METH_NOARGS,
      "Whether the current stream is capturing a CUDA graph."},
     {"copy_to", (PyCFunction)Ring_copy_to, METH_O,

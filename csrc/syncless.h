@@ -50,6 +50,7 @@ typedef struct sl_driver {
                                unsigned, unsigned, CUstream, void **, void **);
     CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
     CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+    CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
     CUresult (*cuEventCreate)(CUevent *, unsigned);
     CUresult (*cuEventDestroy)(CUevent);
     CUresult (*cuEventRecord)(CUevent, CUstream);

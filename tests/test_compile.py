@@ -255,6 +255,41 @@ def test_reduce_overhead_replays_append_one_row_each_with_exact_steps():
 
 
 @pytest.mark.cuda
+def test_reduce_overhead_steps_stay_consecutive_across_calls_rerecords_and_eager_logs():
+    """Two log() calls a step, a new batch shape half-way (cudagraph trees record a second
+    graph, after eager warm-up runs) and an eager log() after the replays: every call takes the
+    next step, as in eager code, because the GPU counts them."""
+    sink = Collect()
+    log = syncless.Logger(every=16, sinks=sink, capacity=512)
+    model = torch.nn.Linear(16, 16, device="cuda")
+
+    def step(x):
+        y = model(x)
+        loss = y.square().mean()
+        log(loss=loss)
+        log(peak=y.abs().amax())
+        return loss
+
+    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    xs = [torch.randn(8 if i < 30 else 4, 16, device="cuda") for i in range(60)]
+    losses = []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            losses.append(fn(x).clone())
+            if i % 20 == 19:
+                log.flush(wait=False)
+    assert log.steps_on_device()
+    log(epoch=1.0)                                   # eager, after the replays: no step= needed
+    log.close()
+    assert [r.step for r in sink.rows] == list(range(121))
+    assert [r.values["loss"] for r in sink.rows[0:120:2]] == [float(v) for v in losses]
+    assert all(set(r.values) == {"peak"} for r in sink.rows[1:120:2])
+    assert sink.rows[-1].values == {"epoch": 1.0}
+    assert log.stats.lost == 0
+    torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+
+
+@pytest.mark.cuda
 def test_reduce_overhead_rows_past_capacity_are_counted_as_lost():
     sink = Collect()
     log = syncless.Logger(every=4, sinks=sink, capacity=16)

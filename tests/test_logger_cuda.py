@@ -101,6 +101,95 @@ def test_graph_replays_beyond_capacity_are_counted_as_lost():
     assert [s for s, _ in sink.rows] == [1 + k for k in range(12, 20)]
 
 
+def _capture(log, calls):
+    """Warm up on a side stream as torch requires (one eager round), then capture `calls`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    return g
+
+
+def test_a_graph_of_two_log_calls_replays_consecutive_steps():
+    sink = Collect()
+    x = torch.zeros((), device="cuda")
+    log = syncless.Logger(every=8, sinks=sink, device="cuda", capacity=128)
+    g = _capture(log, lambda: (log(loss=x + 1), log(acc=x * 3)))     # steps 0, 1 eager
+    for i in range(30):
+        x.fill_(float(i))
+        g.replay()
+        if i % 10 == 9:
+            log.flush(wait=False)
+    log.close()
+    # Eager code gives every call its own step: so does every replay, two steps a replay.
+    assert [s for s, _ in sink.rows] == list(range(62))
+    assert sink.rows[2:] == [r for i in range(30)
+                             for r in ((2 + 2 * i, {"loss": i + 1.0}), (3 + 2 * i, {"acc": 3.0 * i}))]
+    assert log.stats.lost == 0
+
+
+def test_eager_calls_after_replays_continue_from_the_devices_step():
+    sink = Collect()
+    x = torch.zeros((), device="cuda")
+    log = syncless.Logger(every=8, sinks=sink, device="cuda", capacity=256)
+    g = _capture(log, lambda: log(x=x * 1))                          # step 0 eager
+    assert log.steps_on_device()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            g.replay()                                               # steps 1..5
+        log(y=x + 7)                                                 # 6: no step= needed
+        log(y=x + 8, step=100)                                       # explicit: 100
+        for _ in range(3):
+            g.replay()                                               # 101..103
+        log(y=x + 9)                                                 # 104
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    log.close()
+    assert [s for s, _ in sink.rows] == [0, 1, 2, 3, 4, 5, 6, 100, 101, 102, 103, 104]
+    assert [v for _, v in sink.rows][6:8] == [{"y": 7.0}, {"y": 8.0}]
+    assert sink.rows[-1] == (104, {"y": 9.0})
+
+
+def test_what_cannot_know_the_step_after_a_capture_says_so():
+    sink = Collect()
+    x = torch.ones((), device="cuda")
+    log = syncless.Logger(every=8, sinks=sink, device="cuda")
+    g = _capture(log, lambda: log(x=x))                              # step 0 eager
+    g.replay()                                                       # 1
+    with pytest.raises(ValueError, match="counted on the GPU.*pass step="):
+        with syncless.timer("step_ms", log=log):
+            g.replay()                                               # never runs
+    with pytest.raises(ValueError, match=r"attach\(\) without step="):
+        log.attach("late", lambda: 1.0)
+    with syncless.timer("step_ms", log=log, step=2):                 # with step=: fine
+        g.replay()                                                   # 2
+    log.close()
+    assert [s for s, _ in sink.rows] == [0, 1, 2]
+    assert sink.rows[2][1]["x"] == 1.0 and sink.rows[2][1]["step_ms"] > 0
+
+
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
+def test_an_explicit_step_under_capture_is_refused_and_loses_nothing():
+    sink = Collect()
+    x = torch.ones((), device="cuda")
+    log = syncless.Logger(every=8, sinks=sink, device="cuda")
+    log(x=x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="step=.*inside CUDA graph capture"):
+        with torch.cuda.graph(g):
+            log(x=x, step=5)
+    log(x=x * 2)
+    log.close()
+    assert sink.rows == [(0, {"x": 1.0}), (1, {"x": 2.0})]
+
+
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_first_cuda_log_inside_capture_is_a_clear_error():
     sink = Collect()

@@ -4,8 +4,9 @@
 // captured the launch appends a fresh row on every replay. One block; thread i handles cell i.
 // Row layout (csrc/layout.h, shared with the host): seq, tag, step, time, gpu_ns,
 // mask[mask_words], value[columns] (binary64). gpu_ns is %globaltimer, read once per launch.
-// A launch captured into a graph also gets a replay counter of its own (`replays`): replay k of
-// a call captured at step s writes step s + k, exact even when older rows were overwritten.
+// The step of a call without step= comes from the device too (the header's next-step word, which
+// every launch sets to its step + 1): replays of a captured call, however many and whatever else
+// the graph logs, take consecutive steps, and an eager call after them continues from there.
 // Keep this file within PTX ISA 7.0 (sm_70): scripts/gen_ptx.py lowers the target for old drivers,
 // which is why bf16 is converted by hand rather than with cvt.f32.bf16 (an sm_90 instruction).
 
@@ -22,10 +23,9 @@ struct Cell {
 template <int K>
 struct Args {
     u64 ring;           // row 0 of the ring
-    u64 counter;        // address of the 64-bit write counter
+    u64 counter;        // address of the ring's header (the write counter, the next step)
     u64 tag;            // the host's call id (bit 63: the call was captured into a graph)
-    u64 replays;        // address of this captured call's replay counter, or 0
-    long long step;
+    long long step;     // the call's step= (>= 0), or -1: the header's next-step word
     double time;
     unsigned capacity;  // rows
     unsigned row_words;
@@ -90,7 +90,7 @@ __device__ double load(const Cell &c) {
 
 template <int K>
 __device__ void gather(const Args<K> &a) {
-    u64 *counter = (u64 *)a.counter;
+    u64 *counter = (u64 *)a.counter + SL_HDR_COUNTER;
     const u64 seq = *counter;
     u64 *row = (u64 *)a.ring + (seq % a.capacity) * a.row_words;
     u64 *mask = row + SL_ROW_HEADER_WORDS;
@@ -101,12 +101,9 @@ __device__ void gather(const Args<K> &a) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         row[SL_ROW_SEQ] = seq;
         row[SL_ROW_TAG] = a.tag;
-        long long step = a.step;
-        if (a.replays) {
-            u64 *k = (u64 *)a.replays;
-            step += (long long)*k;
-            *k += 1;
-        }
+        u64 *next = (u64 *)a.counter + SL_HDR_NEXT_STEP;
+        const long long step = a.step < 0 ? (long long)*next : a.step;
+        *next = (u64)(step + 1);
         row[SL_ROW_STEP] = (u64)step;
         row[SL_ROW_TIME] = (u64)__double_as_longlong(a.time);
         row[SL_ROW_GPU_NS] = now;

@@ -22,16 +22,17 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
 * At run time the op's implementation is the eager path, `logger.log({name: value}, step)`: the
   same step rule, flush policy, errors and host rows as eager code. Under CUDA graph capture
   (reduce-overhead's recording) that gather is captured like a hand-captured log(): every replay
-  appends one row whose step is the capture step + the replay index, counted on the device; the
-  host sees no replay, so flushes wait for the next eager log() or flush() and rows overwritten
-  before one are counted in stats.lost: call log.flush(wait=False) every few hundred steps.
-  The host never learns how many replays ran (only the device's per-call replay counter knows,
-  and reading it would be a sync), so after replays `log.last_step` is still the capture step
-  and an eager log() without step= on the same logger takes capture step + 1: a step the
-  replays already wrote. An eager log() after replays needs an explicit step= (the loop's own
-  counter), and so does a second capture (cudagraph trees re-record when input addresses or
-  shapes change): its replays count from the stale host step. An explicit step= or a CPU tensor
-  under capture would be replayed unchanged, so both are refused there with an error.
+  appends one row per captured call, and its step is the ring's next step, which the GPU counts
+  (every gather sets it to its step + 1). So steps stay consecutive, as in eager code, across
+  several log() calls in one graph, graphs that cudagraph trees re-record (new shapes or input
+  addresses) and their eager warm-up runs, and eager log() calls after replays. The host sees
+  no replay, so flushes wait for the next eager log() or flush() and rows overwritten before
+  one are counted in stats.lost: call log.flush(wait=False) every few hundred steps. The host
+  never learns how many replays ran (reading the GPU's count would be a sync): once a graph
+  captured a call, `log.steps_on_device()` is True, `log.last_step` is the last step the host
+  assigned, and what needs the current step from the host (attach() or timer(log=...) without
+  step=) raises and asks for step=. An explicit step= or a CPU tensor under capture would be
+  replayed unchanged, so both are refused there with an error.
 * What a replay costs is measured, not assumed: benchmarks/results/compile_step.md (and the
   breakdown in compile_diag.md). The token is a static input (its address checked in C++ with
   the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
@@ -156,9 +157,8 @@ def _site(logger_id: int, names: tuple, devices: tuple) -> int:
 # ---- the op ------------------------------------------------------------------------------------
 
 _CAPTURED_STEP = ("log(step=...) inside a CUDA graph (torch.compile mode='reduce-overhead'): a "
-                  "replay cannot take a step from the host; its row's step is the capture step "
-                  "+ the replay index. Drop step= (rows take consecutive steps) or compile "
-                  "without CUDA graphs")
+                  "replay cannot take a step from the host; without step= every replay takes "
+                  "the next step, counted on the GPU. Drop step= or compile without CUDA graphs")
 _CAPTURED_HOST = ("metrics {names!r}: a CPU tensor inside a CUDA graph would log its value at "
                   "capture on every replay; log it outside the graph or move it to the GPU")
 

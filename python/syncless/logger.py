@@ -57,15 +57,15 @@ class LoggerStats(NamedTuple):
 class _Generation:
     """One device ring (it is replaced by a wider one when new metrics outgrow its columns)."""
 
-    def __init__(self, device: int, capacity: int, columns: int):
+    def __init__(self, device: int, capacity: int, columns: int, next_step: int):
         nbytes = _C.ring_nbytes(capacity, columns)
         self.memory = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
         self.ring = _C.Ring(device, self.memory.data_ptr(), capacity, columns)
-        self.ring.clear()                                    # async memset, ordered first
+        self.ring.clear(next_step)                           # async memsets, ordered first
         self.nbytes = nbytes
         self.capacity = capacity
         self.next_seq = 0                                    # owned by the delivery thread
-        self.captured = False
+        self.captured = False                                # steps are counted on the device
         self.current = True                                  # False once a wider ring replaced it
 
 
@@ -195,16 +195,19 @@ class Logger:
         if _get_ident() != self._owner:          # ~0.1 us; a lock would cost several times more
             self._log_from_elsewhere(metrics, step)
             return
-        step = self._next_step if step is None else self._take_step(step)
+        if step is None:
+            step, given = self._next_step, -1     # -1: the ring's next step, counted on the GPU
+        else:
+            step = given = self._take_step(step)
         ring = self._ring
         if ring is None:
             self._log_host(metrics, step)
             return
         try:
-            captured = ring.gather(metrics, self._columns, self._calls, step, time.time())
+            captured = ring.gather(metrics, self._columns, self._calls, given, time.time())
         except KeyError:
             self._add_columns(metrics)
-            captured = self._ring.gather(metrics, self._columns, self._calls, step, time.time())
+            captured = self._ring.gather(metrics, self._columns, self._calls, given, time.time())
         self._calls += 1
         self._next_step = step + 1
         self._last_step = step
@@ -252,8 +255,25 @@ class Logger:
                              "time; pick another name")
         if not callable(resolve):
             raise TypeError(f"attach({name!r}, ...) needs a callable that returns the value")
-        step = self._last_step if step is None else self._check_step(step)
+        if step is None:
+            self._refuse_device_steps("attach() without step=")
+            step = self._last_step
+        else:
+            step = self._check_step(step)
         self._delivery.attach(max(step, 0), name, resolve)
+
+    def steps_on_device(self) -> bool:
+        """True once a CUDA graph captured one of this logger's calls: from then on the GPU
+        counts the steps of calls without step= (every replay takes the next one) and the host
+        no longer knows the last one; `last_step` is then the last step the host assigned."""
+        return self._gen is not None and self._gen.captured
+
+    def _refuse_device_steps(self, what: str) -> None:
+        if self._gen is not None and self._gen.captured:
+            raise ValueError(
+                f"{what}: a CUDA graph captured a log() of this Logger, so its steps are counted "
+                "on the GPU (each replay takes the next one) and the host cannot tell which step "
+                "is the last; pass step= (the loop's own counter)")
 
     def _refuse_closed(self) -> None:
         if self._forked:
@@ -339,7 +359,7 @@ class Logger:
                     "capturing (warm-up), or create the logger with device='cuda'.")
             self._hand_over_host_rows()
             columns = max(_COLUMN_BLOCK, -(-len(self._names) // _COLUMN_BLOCK) * _COLUMN_BLOCK)
-            self._gen = _Generation(device, self.capacity, columns)
+            self._gen = _Generation(device, self.capacity, columns, self._next_step)
             self._ring = self._gen.ring
         self._device = device
 
@@ -354,7 +374,7 @@ class Logger:
                 self._flush_window()
             columns = -(-needed // _COLUMN_BLOCK) * _COLUMN_BLOCK * 2
             gen.current = False                      # its windows are too small: let them go
-            self._gen = _Generation(self._device, self.capacity, columns)
+            self._gen = _Generation(self._device, self.capacity, columns, self._next_step)
             self._ring = self._gen.ring
             with self._pool.cond:
                 self._pool.free = []
@@ -501,7 +521,9 @@ class Logger:
 
     @property
     def last_step(self) -> int:
-        """The step of the last log() call; -1 before the first."""
+        """The step of the last log() call; -1 before the first. Once a CUDA graph captured a
+        call (steps_on_device()), the last step the host assigned: replays and the eager calls
+        after them take steps counted on the GPU."""
         return self._last_step
 
     @property

@@ -320,7 +320,10 @@ class Timer(_C.TimerBase):
     # -- called by TimerBase (C) around a use, for timers with a name, a log, or a second use
 
     def _before(self, rec: Timing) -> None:
-        rec._step0 = self._log.last_step
+        log = self._log
+        if self._step is None:
+            log._refuse_device_steps(f"timer({self.name!r}, log=...) without step=")
+        rec._step0 = log.last_step
 
     def _after(self, rec: Timing) -> None:
         series = self._series
