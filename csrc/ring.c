@@ -436,16 +436,30 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* decode(from_seq, names, nonfinite) -> (counter, rows)
+/* decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0) -> (counter, rows)
  * rows: [(seq, tag, step, time, gpu_ns, {name: value})] for seq in [from_seq, counter) still in
- * the ring;
+ * the ring; or, given a row_type (a tuple subclass of (step, time, values): syncless.Row), rows
+ * of that type made here, a row written by a graph replay taking replay_time as its time: the
+ * delivery thread's Python work per row, under the GIL the training thread needs, is then none.
  * names[column] is the metric name; nonfinite[name] counts NaN/Inf values. */
 static PyObject *Window_decode(Window *self, PyObject *args)
 {
     unsigned long long from_seq;
-    PyObject *names, *nonfinite;
-    if (!PyArg_ParseTuple(args, "KO!O!", &from_seq, &PyList_Type, &names, &PyDict_Type, &nonfinite))
+    PyObject *names, *nonfinite, *row_type = Py_None, *tuple_new = NULL;
+    double replay_time = 0.0;
+    if (!PyArg_ParseTuple(args, "KO!O!|Od", &from_seq, &PyList_Type, &names, &PyDict_Type,
+                          &nonfinite, &row_type, &replay_time))
         return NULL;
+    if (row_type != Py_None) {
+        if (!PyType_Check(row_type) || !PyType_IsSubtype((PyTypeObject *)row_type, &PyTuple_Type)) {
+            PyErr_SetString(PyExc_TypeError, "decode(): row_type must be a tuple subclass");
+            return NULL;
+        }
+        /* tuple.__new__(row_type, (step, time, values)): what a NamedTuple's own __new__ does
+         * after its Python-level argument handling. */
+        if ((tuple_new = PyObject_GetAttrString((PyObject *)&PyTuple_Type, "__new__")) == NULL)
+            return NULL;
+    }
     self->pending = 0;
     uint64_t counter;
     memcpy(&counter, self->host, 8);
@@ -453,8 +467,10 @@ static PyObject *Window_decode(Window *self, PyObject *args)
     if (counter > self->capacity && first < counter - self->capacity)
         first = counter - self->capacity;
     PyObject *rows = PyList_New(0);
-    if (rows == NULL)
+    if (rows == NULL) {
+        Py_XDECREF(tuple_new);
         return NULL;
+    }
     Py_ssize_t nnames = PyList_Size(names);
     for (uint64_t seq = first; seq < counter; seq++) {
         const uint64_t *row = (const uint64_t *)(self->host + SL_HEADER_BYTES) +
@@ -497,17 +513,29 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         }
         double time;
         memcpy(&time, &row[SL_ROW_TIME], 8);
-        PyObject *item = Py_BuildValue(
-            "(KKLdKN)", (unsigned long long)row[SL_ROW_SEQ], (unsigned long long)row[SL_ROW_TAG],
-            (long long)(int64_t)row[SL_ROW_STEP], time, (unsigned long long)row[SL_ROW_GPU_NS], d);
+        PyObject *item;
+        if (tuple_new != NULL) {
+            PyObject *fields =
+                Py_BuildValue("(LdN)", (long long)(int64_t)row[SL_ROW_STEP],
+                              row[SL_ROW_TAG] & SL_CAPTURED_TAG ? replay_time : time, d);
+            item = fields ? PyObject_CallFunctionObjArgs(tuple_new, row_type, fields, NULL) : NULL;
+            Py_XDECREF(fields);
+        } else {
+            item = Py_BuildValue("(KKLdKN)", (unsigned long long)row[SL_ROW_SEQ],
+                                 (unsigned long long)row[SL_ROW_TAG],
+                                 (long long)(int64_t)row[SL_ROW_STEP], time,
+                                 (unsigned long long)row[SL_ROW_GPU_NS], d);
+        }
         if (item == NULL || PyList_Append(rows, item)) {
             Py_XDECREF(item);
             goto error;
         }
         Py_DECREF(item);
     }
+    Py_XDECREF(tuple_new);
     return Py_BuildValue("(KN)", (unsigned long long)counter, rows);
 error:
+    Py_XDECREF(tuple_new);
     Py_DECREF(rows);
     return NULL;
 }
@@ -515,7 +543,7 @@ error:
 static PyMethodDef Window_methods[] = {
     {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
-     "decode(from_seq, names, nonfinite) -> (counter, rows)"},
+     "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0) -> (counter, rows)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -224,21 +224,29 @@ class Delivery:
 
     def _decode(self, gen: Any, w: Any, flushed_at: float) -> list[Row]:
         w.win.wait()
+        if not self._gpu_time:
+            # The rows are made in C: no Python work per row, under the GIL the loop needs.
+            # A graph replay's step was computed on the device; the host saw no call, so its
+            # time is that of the flush that found the row.
+            counter, rows = w.win.decode(gen.next_seq, self._names, self.nonfinite, Row,
+                                         flushed_at)
+            self._count_lost(gen, counter)
+            return rows
         counter, raw = w.win.decode(gen.next_seq, self._names, self.nonfinite)
-        oldest = max(gen.next_seq, counter - gen.capacity)
-        self.lost += oldest - gen.next_seq
-        gen.next_seq = counter
+        self._count_lost(gen, counter)
         rows = []
         for item in raw:
             tag, step, t, values = item[1], item[2], item[3], item[-1]
-            # A graph replay's step was computed on the device (capture step + replay index);
-            # the host saw no call, so its time is that of the flush that found the row.
             row = Row(step, flushed_at if tag & _CAPTURED else t, values)
-            if self._gpu_time:               # an attribute costs each row a dict: opt-in only
-                row.gpu_ns = item[4]
-                self._gpu_metrics(row, captured=bool(tag & _CAPTURED))
+            row.gpu_ns = item[4]                 # an attribute costs each row a dict: opt-in
+            self._gpu_metrics(row, captured=bool(tag & _CAPTURED))
             rows.append(row)
         return rows
+
+    def _count_lost(self, gen: Any, counter: int) -> None:
+        oldest = max(gen.next_seq, counter - gen.capacity)
+        self.lost += oldest - gen.next_seq
+        gen.next_seq = counter
 
     def _gpu_metrics(self, row: Row, captured: bool) -> None:
         gpu = row.gpu_ns
@@ -314,9 +322,10 @@ class Delivery:
         rows = self._merge_late(rows, upto)
         if not rows:
             return
+        latest = self.latest
         for row in rows:
-            self.latest.update(row.values)
-        self.delivered += sum(1 for row in rows if not row.late)
+            latest.update(row.values)
+        self.delivered += sum(1 for row in rows if not row.late) if self._hold else len(rows)
         self.delivered_step = rows[-1].step
         sinks = self.sinks
         last = len(sinks) - 1
