@@ -485,7 +485,7 @@ def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
     capacity, columns, rows = 64, _C.COLUMN_BLOCK, 40
     memory = torch.empty(_C.ring_nbytes(capacity, columns), dtype=torch.uint8, device="cuda")
     ring = _C.Ring(0, memory.data_ptr(), capacity, columns)
-    ring.clear()
+    ring.clear(0)
     x = torch.zeros((), device="cuda")
     for step in range(rows):
         torch.cuda._sleep(1000)                       # GPU time passes between two rows
