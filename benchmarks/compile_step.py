@@ -2,7 +2,7 @@
 
     python benchmarks/compile_step.py [--quick] [--device cuda|cpu] [--out [DIR]]
 
-Two sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
+Sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
 on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
 (then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Five
 variants of the compiled forward, each with its own model copy and Logger:
@@ -371,7 +371,11 @@ SECTIONS = {
     "train-gpu-bound": ("training step, GPU-bound (MLP 4×4096, batch 512): the GPU, not the "
                         "host, sets the pace, as in most real training", True, 4096, 4, 512, 8,
                         FLUSH_EVERY // 2),
+    "train-default": ("training step as `train`, compiled in the default mode (no CUDA graphs): "
+                      "the compiled code calls the op, and so the eager gather, on every step",
+                      True, 512, 4, 256, 20, FLUSH_EVERY),
 }
+DEFAULT_MODE = {"train-default"}           # sections compiled without mode="reduce-overhead"
 
 
 def write_out(out, env, args_used, sections, eager, verdict, tables, etable, mode):
@@ -381,7 +385,8 @@ def write_out(out, env, args_used, sections, eager, verdict, tables, etable, mod
     with open(os.path.join(out, "compile_step.md"), "w", encoding="utf-8") as f:
         f.write(f"# log() inside torch.compile — {env.get('gpu')}, torch {env['torch']}, "
                 f"{env['date']}\n\n"
-                f"Compiled forward+loss (mode={mode!r}); interleaved rounds, each a block of "
+                f"Compiled forward+loss (mode={mode!r} unless a section says otherwise); "
+                f"interleaved rounds, each a block of "
                 f"steps per variant (`{env['command']}`).\n\n"
                 + "".join(f"## {SECTIONS[k][0]}\n\n{t}\n\n" for k, t in tables.items())
                 + (f"## eager per-call cost\n\n{etable}\n\n" if etable else "")
@@ -409,7 +414,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="few rounds, small models: a smoke test")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every section")
-    p.add_argument("--sections", default="infer,train,train-gpu-bound",
+    p.add_argument("--sections", default="infer,train,train-gpu-bound,train-default",
                    help="comma-separated: " + ", ".join(SECTIONS))
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
                    help="directory for compile_step.json/.md (default benchmarks/results); "
@@ -444,7 +449,8 @@ def main(argv=None):
         batches = [(torch.randn(batch, width, generator=gen).to(device),
                     torch.randint(0, 10, (batch,), generator=gen).to(device))
                    for _ in range(steps)]
-        res = section(kind, base, batches, device, mode, rounds, sync, train)
+        res = section(kind, base, batches, device, None if kind in DEFAULT_MODE else mode,
+                      rounds, sync, train)
         res["config"] = {"width": width, "depth": depth, "batch": batch, "rounds": rounds,
                          "steps_per_block": steps}
         sections[kind] = res

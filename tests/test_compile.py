@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 import syncless
 
 pytestmark = [
-    pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
+    pytest.mark.skipif(not hasattr(torch.library, "register_fake"),
                        reason="torch.compile support needs torch >= 2.4"),
     # inductor's own imports (torch.utils.mkldnn) warn on some torch versions
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
