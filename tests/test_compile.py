@@ -5,6 +5,7 @@ small functions; a test's Logger must be closed by the test, so compiled functio
 their Logger, are not shared between tests). CUDA tests prove the reduce-overhead path: the gather
 is captured in the CUDA graph and every replay appends one row with its step.
 """
+import copy
 import os
 import re
 import subprocess
@@ -70,6 +71,46 @@ def test_fullgraph_step_logs_4_metrics_exactly_over_1000_steps():
     assert [r.step for r in rows] == list(range(1, 1001))
     assert [r.values for r in rows] == expected[1:]
     assert log.stats.steps == 1001 and log.stats.lost == 0
+
+
+def test_compiled_training_step_logs_loss_and_grad_norm_exactly_and_backward_runs():
+    """A training step as users compile it (default mode): the loss requires grad when it is
+    logged, backward and the optimizer run after; the op neither breaks the graph nor touches
+    autograd (no warning under filterwarnings=error), and the parameters train as without it."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))]
+    models.append(copy.deepcopy(models[0]))
+    sink = Collect()
+    log = syncless.Logger(every=16, sinks=sink)
+
+    def forward(model, x, y, logger):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scale = model[2].weight.abs().mean()
+        if logger is not None:
+            logger(loss=loss, out_scale=scale)
+        return loss, scale
+
+    fns = [torch.compile(lambda x, y, m=m, lg=lg: forward(m, x, y, lg), fullgraph=True)
+           for m, lg in zip(models, (None, log))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    xs = [(torch.randn(32, 8), torch.randn(32, 1)) for _ in range(40)]
+    want = []
+    for x, y in xs:
+        for fn, opt, model in zip(fns, opts, models):
+            loss, scale = fn(x, y)
+            if model is models[1]:
+                want.append({"loss": loss.item(), "out_scale": scale.item()})
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    log.close()
+    assert [r.values for r in sink.rows] == want
+    assert [r.step for r in sink.rows] == list(range(40))
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b), "logging must not change training"
+    with syncless.Logger() as probe:
+        explained = torch._dynamo.explain(lambda x, y: forward(models[1], x, y, probe))(*xs[0])
+    assert explained.graph_break_count == 0
 
 
 def test_explain_reports_no_graph_break():
