@@ -269,7 +269,7 @@ class Logger:
         return self._gen is not None and self._gen.captured
 
     def _refuse_device_steps(self, what: str) -> None:
-        if self._gen is not None and self._gen.captured:
+        if self.steps_on_device():
             raise ValueError(
                 f"{what}: a CUDA graph captured a log() of this Logger, so its steps are counted "
                 "on the GPU (each replay takes the next one) and the host cannot tell which step "
