@@ -47,9 +47,14 @@ GAIN_TOLERANCE = 0.25
 NO_GAIN = 0.03         # a measured gain under 3% of the step counts as "no gain"
 
 
-def run(cmd: list, timeout: float, cwd: str) -> tuple[int, str, float]:
+KEEP_TRACES = None       # --keep-traces DIR: each doctor run's kernel trace, for diagnostics
+
+
+def run(cmd: list, timeout: float, cwd: str, trace: str | None = None) -> tuple[int, str, float]:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false")
+    if trace:
+        env["SYNCLESS_DOCTOR_KEEP_TRACE"] = trace
     env["PYTHONPATH"] = os.pathsep.join(p for p in (CORPUS, env.get("PYTHONPATH")) if p)
     t = time.perf_counter()
     try:
@@ -62,8 +67,10 @@ def run(cmd: list, timeout: float, cwd: str) -> tuple[int, str, float]:
 
 def doctor(script: str, args: list, options: list, timeout: float, cwd: str) -> tuple[dict, str]:
     path = os.path.join(cwd, f"{os.path.basename(script)}.json")
+    trace = os.path.join(KEEP_TRACES, os.path.basename(script)[:-3] + ".trace.json") \
+        if KEEP_TRACES else None
     rc, out, secs = run([sys.executable, "-m", "syncless", "doctor", "--quick", "--json", path,
-                         *options, script, *args], timeout, cwd)
+                         *options, script, *args], timeout, cwd, trace)
     if not os.path.exists(path):
         return {"error": f"rc={rc}, no JSON; output tail:\n{out[-3000:]}", "seconds": secs}, out
     with open(path) as f:
@@ -80,10 +87,10 @@ def tick_line(script: str) -> int:
 
 
 def measure(name: str, applied: str, device: str, timeout: float, work: str,
-            plain: bool) -> dict:
+            plain: bool, extra: list = ()) -> dict:
     script = os.path.join(CORPUS, f"{name}.py")
     fixed = os.path.join(CORPUS, f"{name}_fixed.py")
-    dev = ["--device", device]
+    dev = ["--device", device, *extra]
     row: dict = {"script": name}
     d, report = doctor(script, dev, [], timeout, work)
     row["doctor"] = d
@@ -202,6 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per process, seconds")
     p.add_argument("--plain", action="store_true",
                    help="also run each twin without the doctor, on its own clock")
+    p.add_argument("--keep-traces", metavar="DIR",
+                   help="keep each doctor run's kernel trace in DIR (diagnostics)")
+    p.add_argument("--script-args", default="", metavar="ARGS",
+                   help="extra arguments for every script and twin (--script-args='--batch 32')")
     p.add_argument("--render", metavar="JSON",
                    help="only rewrite the markdown table from a results file (rows judged again)")
     ns = p.parse_args(argv)
@@ -213,6 +224,10 @@ def main(argv=None) -> int:
             judge(row, expected[row["script"]][0], saved["env"]["device"])
         print(write(saved["rows"], saved["env"], ns.out))
         return 0
+    global KEEP_TRACES
+    if ns.keep_traces:
+        KEEP_TRACES = os.path.abspath(ns.keep_traces)
+        os.makedirs(KEEP_TRACES, exist_ok=True)
     import torch
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = [s for s in SCRIPTS if not ns.only or s[0] in ns.only]
@@ -225,7 +240,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="doctor-corpus-") as work:
         for name, expected, applied, change in chosen:
             t = time.perf_counter()
-            row = measure(name, applied, device, ns.timeout, work, ns.plain)
+            row = measure(name, applied, device, ns.timeout, work, ns.plain, ns.script_args.split())
             row["change"] = change
             judge(row, expected, device)
             row["seconds"] = time.perf_counter() - t

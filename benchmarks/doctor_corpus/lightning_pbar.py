@@ -49,10 +49,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=None)
     args = p.parse_args()
     cpu = args.device == "cpu"
     vocab, d, layers, heads, block, batch = (256, 64, 2, 2, 32, 4) if cpu else \
         (4096, 512, 6, 8, 256, 16)
+    batch = args.batch or batch
     torch.manual_seed(0)
     tokens = torch.randint(0, vocab, (4096, block + 1))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch,

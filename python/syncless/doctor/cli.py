@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 import threading
@@ -234,6 +235,9 @@ class ScriptSession:
             self._profile.export_chrome_trace(self._trace_path)
             if gpu and self.done["kernels"]:
                 self.kernel_time = trace_gpu(self._trace_path, self.done["kernels"])
+            keep = os.environ.get("SYNCLESS_DOCTOR_KEEP_TRACE")
+            if keep and not self.trace:      # a copy of the trace the report read (diagnostics)
+                shutil.copyfile(self._trace_path, keep)
             if self.trace:
                 self.traced = True
             else:
