@@ -79,6 +79,8 @@ class Diagnosis:
     samples: int = 0
     notes: list = field(default_factory=list)
     trace: str | None = None
+    kernel_time: Any = None            # the trace's KernelTime, as read
+    _sampled: Any = None               # the sampler's counts by (file, line, via)
 
     def report(self) -> str:
         return render_doctor(self)
@@ -107,6 +109,7 @@ class Diagnosis:
             "gpu_probe_ms": self.gpu_pure_ms, "gpu_trace_ms": self.gpu_trace_ms,
             "sync_bubble_ms": self.sync_bubble_ms,
             "sync_idle_ms": self.sync_idle_ms, "sync_count": self.sync_count,
+            "trace": dict(vars(self.kernel_time)) if self.kernel_time else None,
             "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
             "top_predicted_ms": top.predicted_ms if top else None,
             "findings": [f.as_dict() for f in self.findings],
@@ -114,6 +117,8 @@ class Diagnosis:
             "lines": [{"where": line.where, "share": line.samples / self.samples, "via": line.via}
                       for line in self.lines] if self.samples else [],
             "notes": self.notes,
+            "sampled": [{"where": f"{k[0]}:{k[1]}", "via": k[2], "share": n / self.samples}
+                        for k, n in self._sampled.most_common(25) if k] if self.samples else [],
         }
 
 def _cycle(loader: Iterable):
@@ -269,6 +274,10 @@ class KernelTime:
     syncs: float                       # sync calls per step in the trace
     blocked_ms: float | None = None    # host time inside those sync calls per step
     sync_idle_ms: float | None = None  # GPU idle from each sync's return until the host leads
+    queued_gap_ms: float | None = None  # gaps > gap_us before an op that was already queued
+    launch_wait_ms: float | None = None  # gaps before an op launched after the GPU was free
+    queued_ops: float | None = None    # share of the ops queued LEAD_US before the GPU got free
+    blocked_threads: dict = field(default_factory=dict)   # tid -> blocked ms/step
 
 
 LEAD_US = 10.0     # a kernel launched this long before the GPU got to it: the host is ahead
@@ -346,7 +355,27 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
     # A copy's wait and the stream sync right after it (.item()) hold the GPU up once: syncs
     # with no GPU work between them count as one.
     points = len({i for _, _, i in returns})
-    return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per)
+    # Each gap between ops, by whether the op after it was already queued when the GPU got free
+    # (the gap is the GPU's own time between ops) or was launched later (the GPU waited).
+    queued_gap = launch_wait = 0.0
+    queued = 0
+    end = ops[0][1]
+    for s, e, c in ops[1:]:
+        at = launched.get(c)
+        ahead = at is not None and at < end - LEAD_US
+        queued += ahead
+        if s > end + gap_us:
+            if ahead:
+                queued_gap += s - end
+            else:
+                launch_wait += s - end
+        end = max(end, e)
+    threads: dict = {}
+    for e in waits:
+        threads[e.get("tid")] = threads.get(e.get("tid"), 0.0) + float(e["dur"]) / per
+    return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per,
+                      queued_gap / per, launch_wait / per, queued / max(1, len(ops) - 1),
+                      {str(k): v for k, v in threads.items()})
 
 
 def _autocast_on() -> bool:
@@ -416,6 +445,7 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     d.sync_bubble_ms = kernel_time.sync_bubble_ms if kernel_time else None
     d.sync_idle_ms = kernel_time.sync_idle_ms if kernel_time else None
     d.sync_count = kernel_time.syncs if kernel_time else None
+    d.kernel_time = kernel_time
     step = step_ms
     # The time the host spends blocked in syncs. The trace's figure is the one to trust: the
     # audit's CUPTI callbacks slow every CUDA call down, so by the time the audited host reaches
@@ -487,6 +517,7 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
                        "rest_ms": max(0.0, body - blocked_in_body - launches)}
     if sampler is not None and sampler.total:
         d.samples, d.lines = sampler.total, sampler.top()
+        d._sampled = sampler.counts
 
     # Findings.
     findings = []
