@@ -278,6 +278,7 @@ class KernelTime:
     launch_wait_ms: float | None = None  # gaps before an op launched after the GPU was free
     queued_ops: float | None = None    # share of the ops queued LEAD_US before the GPU got free
     blocked_threads: dict = field(default_factory=dict)   # tid -> blocked ms/step
+    calls: dict = field(default_factory=dict)     # runtime call -> [per step, mean µs]
 
 
 LEAD_US = 10.0     # a kernel launched this long before the GPU got to it: the host is ahead
@@ -373,9 +374,15 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
     threads: dict = {}
     for e in waits:
         threads[e.get("tid")] = threads.get(e.get("tid"), 0.0) + float(e["dur"]) / per
+    calls: dict = {}                  # runtime call name -> [count/step, mean µs]
+    for e in runtime:
+        c = calls.setdefault(e.get("name"), [0, 0.0])
+        c[0] += 1
+        c[1] += float(e["dur"])
+    calls = {k: [n / steps, t / n] for k, (n, t) in calls.items()}
     return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per,
                       queued_gap / per, launch_wait / per, queued / max(1, len(ops) - 1),
-                      {str(k): v for k, v in threads.items()})
+                      {str(k): v for k, v in threads.items()}, calls)
 
 
 def _autocast_on() -> bool:
