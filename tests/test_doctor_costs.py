@@ -86,6 +86,33 @@ def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path)
     assert t.sync_idle_ms == pytest.approx((0.198 + 0.010 + 0.190 + 0.005) / 2)
 
 
+def test_trace_tells_the_gpus_own_gaps_from_its_waits_for_launches(tmp_path):
+    def k(ts, dur, c):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": "k", "args": {"correlation": c}}
+
+    def launch(ts, c, tid=1):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": 4, "name": "cudaLaunchKernel",
+                "tid": tid, "args": {"correlation": c}}
+
+    events = [
+        # four kernels all launched long before the GPU reached them, 5 µs apart on the GPU
+        # (the GPU's own gaps, with work queued), then two launched after the GPU ran dry (20
+        # and 30 µs of waiting for the host), the last one from the autograd thread
+        launch(0, 1), launch(5, 2), launch(10, 3), launch(15, 4),
+        k(100, 50, 1), k(155, 50, 2), k(210, 50, 3), k(265, 50, 4),
+        launch(320, 5), k(335, 50, 5), launch(405, 6, tid=2), k(415, 50, 6),
+        {"cat": "cuda_runtime", "ts": 470, "dur": 12, "name": "cudaStreamSynchronize",
+         "tid": 1}]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    t = trace_gpu(str(tmp_path / "t.json"), 1)
+    assert t.busy_ms == pytest.approx(0.300)
+    assert t.queued_gap_ms == pytest.approx(0.015), "three 5 µs gaps with the next kernel queued"
+    assert t.launch_wait_ms == pytest.approx(0.020 + 0.030)
+    assert t.queued_ops == pytest.approx(3 / 5)
+    assert t.calls["cudaLaunchKernel"] == [6, 4.0]
+    assert t.blocked_threads == {"1": pytest.approx(0.012)}
+
+
 # ---- syncs --------------------------------------------------------------------------------------
 
 def test_a_sync_in_a_host_bound_step_wins_no_more_than_it_blocks():
