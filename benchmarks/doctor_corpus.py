@@ -41,8 +41,9 @@ SCRIPTS = [
      "logging_nan_inf_filter=False, non_blocking batch copy"),
     ("lightning_pbar", "CPU-bound", "framework", "prog_bar=False"),
 ]
-# The frameworks whose settings a twin changes: the findings it applies are all of those.
-TWIN_FRAMEWORKS = {"hf_trainer": ("transformers", "accelerate"), "lightning_pbar": ("lightning",)}
+# The framework settings a twin changes: the findings it applies are those of these settings.
+TWIN_SETTINGS = {"hf_trainer": ("logging_nan_inf_filter", "blocking batch copy"),
+                 "lightning_pbar": ("prog_bar",)}
 GAIN_TOLERANCE = 0.25
 NO_GAIN = 0.03         # a measured gain under 3% of the step counts as "no gain"
 
@@ -100,11 +101,11 @@ def measure(name: str, applied: str, device: str, timeout: float, work: str,
     top = d["findings"][0] if d["findings"] else None
     # The findings whose fixes the twin applies (the rank of the first: 1 = the top one, 0 =
     # minor or absent): the one of that kind, or for a framework twin every finding of the
-    # frameworks whose settings it changes; their predicted gains add up.
+    # settings it changes; their predicted gains add up.
     ranked = d["findings"] + d["minor"]
-    fws = TWIN_FRAMEWORKS.get(name)
+    fws = TWIN_SETTINGS.get(name)
     fixes = [f for f in ranked if f["kind"] == applied and
-             (fws is None or f.get("framework") in fws)]
+             (fws is None or f.get("setting") in fws)]
     if fws is None:
         fixes = fixes[:1]
     fix = fixes[0] if fixes else None
