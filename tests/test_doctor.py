@@ -1089,3 +1089,22 @@ def test_cli_trace_on_cuda_holds_the_kernels(tmp_path):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     assert kernels, sorted({e.get("cat") for e in events}, key=str)
     assert [e for e in events if e.get("name") == "aten::addmm"], "the CPU ops are there too"
+
+
+@pytest.mark.cuda
+def test_monitor_reads_each_steps_own_gpu_time():
+    # The monitor pools its event pairs; a pair once read kept returning that first reading, so
+    # every step after the first pool cycle showed the first step's GPU time.
+    x = torch.randn(2048, 2048, device="cuda")
+    mon = StepMonitor(gpu_every=1)
+    sizes = [1, 8] * 40                        # matmuls per step: short and long steps in turn
+    for n in sizes:
+        mon.begin()
+        for _ in range(n):
+            x @ x
+        mon.end()
+    torch.cuda.synchronize()
+    mon.drain()
+    short = statistics.median(mon.gpu_ms[i] for i in range(10, len(sizes), 2))
+    long = statistics.median(mon.gpu_ms[i] for i in range(11, len(sizes), 2))
+    assert long > 5 * short, (short, long)
