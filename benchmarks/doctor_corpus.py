@@ -1,18 +1,20 @@
 """The doctor on a corpus of small realistic scripts, its predictions checked on their fixed twins.
 
     python benchmarks/doctor_corpus.py [--device cuda|cpu] [--only NAME ...] [--out DIR]
+        [--plain] [--keep-traces DIR] [--script-args='--batch 32']
 
 For each script in benchmarks/doctor_corpus/ (one known bottleneck each) this runs
-`python -m syncless doctor --quick --json` on it and reads the verdict, the rank of the finding
-whose fix the twin applies (it should be the top one) and the step time that fix predicts; then
-runs the doctor on the fixed twin (the prescribed change applied; the loader twin gets the worker
-count the doctor prescribed): its monitor phase measures the twin's step the way the step before
-was measured (GPU drained, wall / steps), and any finding winning back >= 1% of the step there is
-a false alarm. `--plain` also runs each twin alone on its own clock (`step_ms=`). It prints and writes (benchmarks/results/doctor_corpus.{json,md}
-by default) a table: verdict vs expected, step before, predicted and measured step after the fix,
-the gain's error, false alarms. Targets (H200): right verdict everywhere, measured gain within 25%
-of the predicted one, no false alarm. On `--device cpu` it checks the logic only: the expected
-verdicts are the GPU's.
+`python -m syncless doctor --quick --warmup 5 --steps 30 --json` on it and reads the verdict, the
+rank of the finding whose fix the twin applies (it should be the top one) and the step time that
+fix predicts; then runs the doctor on the fixed twin (the prescribed change applied; the loader
+twin gets the worker count the doctor prescribed): its monitor phase measures the twin's step the
+way the step before was measured (GPU drained, wall / steps), and any finding winning back >= 1%
+of the step there is a false alarm. `--plain` also runs each twin alone on its own clock
+(`step_ms=`); `--keep-traces` keeps the kernel trace each report read. It prints and writes
+(benchmarks/results/doctor_corpus.{json,md} by default) a table: verdict vs expected, step
+before, predicted and measured step after the fix, the gain's error, false alarms. Targets (H200):
+right verdict everywhere, measured gain within 25% of the predicted one, no false alarm. On
+`--device cpu` it checks the logic only: the expected verdicts are the GPU's.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ NO_GAIN = 0.03         # a measured gain under 3% of the step counts as "no gain
 
 
 KEEP_TRACES = None       # --keep-traces DIR: each doctor run's kernel trace, for diagnostics
+# --quick with 5 warm-up steps and 30 monitored ones: a framework's first steps still allocate
+# and pick kernels, and 15 steps let one slow step move the mean.
+DOCTOR = ["--warmup", "5", "--steps", "30"]
 
 
 def run(cmd: list, timeout: float, cwd: str, trace: str | None = None) -> tuple[int, str, float]:
@@ -70,8 +75,8 @@ def doctor(script: str, args: list, options: list, timeout: float, cwd: str) -> 
     path = os.path.join(cwd, f"{os.path.basename(script)}.json")
     trace = os.path.join(KEEP_TRACES, os.path.basename(script)[:-3] + ".trace.json") \
         if KEEP_TRACES else None
-    rc, out, secs = run([sys.executable, "-m", "syncless", "doctor", "--quick", "--json", path,
-                         *options, script, *args], timeout, cwd, trace)
+    rc, out, secs = run([sys.executable, "-m", "syncless", "doctor", "--quick", *DOCTOR,
+                         "--json", path, *options, script, *args], timeout, cwd, trace)
     if not os.path.exists(path):
         return {"error": f"rc={rc}, no JSON; output tail:\n{out[-3000:]}", "seconds": secs}, out
     with open(path) as f:
@@ -122,7 +127,7 @@ def measure(name: str, applied: str, device: str, timeout: float, work: str,
         twin_args += ["--workers", str(fix["workers_needed"])]
     row["twin_args"] = twin_args
     if plain:                         # the twin on its own clock, without the doctor
-        rc, out, secs = run([sys.executable, fixed, *twin_args, "--steps", "80"], timeout, work)
+        rc, out, secs = run([sys.executable, fixed, *twin_args, "--steps", "100"], timeout, work)
         m = re.search(r"step_ms=([0-9.]+)", out)
         row["plain_ms"] = float(m.group(1)) if m else None
     options = []

@@ -179,6 +179,55 @@ def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
     assert d.sync_cost_ms == 0.0
 
 
+def test_a_gpu_whose_queue_never_ran_dry_is_the_step_and_the_data_wait_costs_nothing():
+    # lightning_pbar's twin (prog_bar=False) on the H200: 30.18 ms steps, 3.47 ms of them the
+    # training thread encoding the next batch while the GPU runs 29.97 ms of kernels (the probe:
+    # 29.84). In the trace 99.7% of the kernels were queued before the GPU got to them and the
+    # GPU waited for launches 0.23 ms a step: the GPU is the step. Taking the kernels' 29.84 ms
+    # would leave the host "0.34 ms slower" and blame the data wait for it.
+    a = cupti_audit([], kernels_per_step=388)
+    trace = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=0.234,
+                       queued_ops=0.997)
+    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=trace, launch_us=13.0)
+    assert (d.gpu_work_ms, d.gpu_work_source) == (30.18, "queue never ran dry")
+    assert d.verdict_kind == "GPU-bound" and d.findings == [], d.report()
+    assert d.finding("starvation").cost_ms == 0.0
+    # The same step whose GPU waited for launches 1.5 ms a step (5%): the kernels are its work,
+    # and the host's time (data wait in) is the longer side by the difference.
+    waiting = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=1.5,
+                         queued_ops=0.9)
+    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=waiting, launch_us=13.0)
+    assert (d.gpu_work_ms, d.gpu_work_source) == (29.84, "queue full")
+    assert d.finding("starvation").cost_ms == pytest.approx(0.34)
+
+
+def test_a_progress_bar_sync_in_a_gpu_bound_step_costs_the_idle_after_it():
+    # lightning_pbar (prog_bar=True) on the H200: 36.46 ms steps, 4.57 ms of them encoding the
+    # next batch, 29.87 ms of kernels; 31% of the monitored steps' stack samples sat in the
+    # progress bar's .item() (11.4 ms/step: the host waits for the GPU there), and the trace
+    # saw the GPU idle 6.35 ms a step from its returns until the host led again: the batch is
+    # encoded while the GPU has nothing to run. The twin measured 30.18 ms.
+    bar = item_site()._replace(code="trainer.fit(model, loader)",
+                               via="lightning/fabric/utilities/apply_func.py:134")
+    a = cupti_audit([(bar, "cudaStreamSynchronize", SYNC, 2_100_000, 2)], kernels_per_step=388)
+    sampler = StackSampler()
+    sampler.counts.update({(bar.file, bar.line, bar.via): 314, (bar.file, bar.line + 1, ""): 686})
+    sampler.total = 1000
+    trace = KernelTime(29.87, 5.916, 2.0, 3.985, 6.348, queued_gap_ms=0.008,
+                       launch_wait_ms=8.282, queued_ops=0.97)
+    d = assess(summary(36.46, 4.567, 31.26), a, 5, 36.46, True, 36.42, 36.93, 3,
+               kernel_time=trace, launch_us=13.3, sampler=sampler)
+    assert d.gpu_work_source == "kernel trace" and d.sync_ms == pytest.approx(36.46 * 0.314)
+    top = d.findings[0]
+    assert top.kind == "sync" and top.cost_ms == pytest.approx(6.348)
+    assert top.fixes[0].predicted_ms == pytest.approx(36.46 - 6.348)
+    assert d.finding("starvation") in d.minor and d.finding("starvation").cost_ms == 0.0, \
+        "the host's 25 ms, the encoding in, hide behind the GPU's 29.9 once the sync is gone"
+    assert d.finding("launch-bound") is None
+
+
 # ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
 
 class Sleepy(Dataset):
