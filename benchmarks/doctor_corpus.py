@@ -166,6 +166,11 @@ def judge(row: dict, expected: str, device: str) -> None:
     row["ok"] = row["verdict_ok"] and gain_ok and row["alarm_ok"] and row["applied_rank"] == 1
 
 
+def short(text: str) -> str:
+    """Paths in a finding's title from the corpus folder on (the run's checkout is elsewhere)."""
+    return re.sub(r"/\S*/(benchmarks/doctor_corpus/)", r"\1", text)
+
+
 def table(rows: list) -> str:
     head = ["script", "verdict", "expected", "step before", "fix applied (rank)",
             "predicted after", "measured after", "error", "gain error", "false alarms on the twin"]
@@ -181,12 +186,12 @@ def table(rows: list) -> str:
         gain = (f"{ge:+.0%}" if ge is not None else
                 ("no gain predicted" + (", none measured" if r.get("gain_ok") else
                                         ", but measured")))
-        alarms = "; ".join(r.get("false_alarms") or []) or ("none" if "twin_verdict" in r
-                                                            else "twin doctor failed")
+        alarms = "; ".join(short(a) for a in r.get("false_alarms") or []) or \
+            ("none" if "twin_verdict" in r else "twin doctor failed")
         se = r.get("step_error")
         err = f"{se:+.0%}" if se is not None else "-"
         lines.append(f"| {r['script']} | {r['verdict']} | {r.get('expected', '')} | "
-                     f"{ms(r['step_ms'])} | {r.get('applied') or 'not found'} "
+                     f"{ms(r['step_ms'])} | {short(r.get('applied') or 'not found')} "
                      f"({r.get('applied_rank') or 'minor'}) | {ms(r['predicted_ms'])} | "
                      f"{ms(r.get('measured_ms'))} | {err} | {gain} | {alarms} |")
     return "\n".join(lines)
