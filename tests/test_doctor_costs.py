@@ -266,6 +266,35 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
     assert slow.finding("starvation").cost_ms == pytest.approx(0.05 * s)
 
 
+def test_a_data_wait_behind_a_gpu_whose_queue_never_ran_dry_costs_nothing():
+    # A step that waits 20 ms for data and works 5 ms, measured; a GPU given 97% of the step.
+    # Traced with its queue never dry (0.1% of the step waiting for launches), the GPU is the
+    # step: the data wait hides behind it. Traced waiting 10% of the step for launches, the
+    # kernels are its work, and the host (data wait in) is the longer side by the difference.
+    model = nn.Linear(4, 4)
+
+    def step(batch):
+        model(batch).sum().backward()
+        time.sleep(0.005)
+
+    d = doctor(step, steps=5, warmup=1, loader=DataLoader(Sleepy(), batch_size=1), file=None)
+    s, cpu = d.step_ms, d.summary
+    assert cpu.data_ms > 3 * cpu.cpu_ms, d.report()
+
+    def traced(wait_share):
+        t = KernelTime(0.97 * s, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.0,
+                       launch_wait_ms=wait_share * s, queued_ops=1.0 - wait_share)
+        return assess(cpu, d.audit, 1, s, True, s, 0.97 * s, 3, kernel_time=t)
+
+    dry = traced(0.001)
+    assert (dry.gpu_work_ms, dry.gpu_work_source) == (s, "queue never ran dry")
+    assert dry.verdict_kind == "GPU-bound" and dry.findings == []
+    assert dry.finding("starvation").cost_ms == 0.0
+    waiting = traced(0.10)
+    assert waiting.gpu_work_source == "queue full"
+    assert waiting.finding("starvation").cost_ms == pytest.approx(0.03 * s)
+
+
 def test_the_monitored_steps_stack_samples_time_a_sync_the_audit_saw_barely_block():
     # lstm_lm resized (batch 512, hidden 1536) on the H200: 18.17 ms steps, 17.61 ms of host
     # body, 13.45 ms of kernels; the .item() blocked 4.4 ms/step under the audit and 1.4 ms in the
