@@ -20,6 +20,7 @@ another, at its step boundaries:
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
 sooner gets the report of what was measured, with a note naming the phases that did not run.
+SYNCLESS_DOCTOR_KEEP_TRACE=PATH keeps a copy of the kernel trace the report read (diagnostics).
 """
 from __future__ import annotations
 
