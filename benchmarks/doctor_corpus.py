@@ -1,18 +1,20 @@
 """The doctor on a corpus of small realistic scripts, its predictions checked on their fixed twins.
 
     python benchmarks/doctor_corpus.py [--device cuda|cpu] [--only NAME ...] [--out DIR]
+        [--plain] [--keep-traces DIR] [--script-args='--batch 32']
 
 For each script in benchmarks/doctor_corpus/ (one known bottleneck each) this runs
-`python -m syncless doctor --quick --json` on it and reads the verdict, the rank of the finding
-whose fix the twin applies (it should be the top one) and the step time that fix predicts; then
-runs the doctor on the fixed twin (the prescribed change applied; the loader twin gets the worker
-count the doctor prescribed): its monitor phase measures the twin's step the way the step before
-was measured (GPU drained, wall / steps), and any finding winning back >= 1% of the step there is
-a false alarm. `--plain` also runs each twin alone on its own clock (`step_ms=`). It prints and writes (benchmarks/results/doctor_corpus.{json,md}
-by default) a table: verdict vs expected, step before, predicted and measured step after the fix,
-the gain's error, false alarms. Targets (H200): right verdict everywhere, measured gain within 25%
-of the predicted one, no false alarm. On `--device cpu` it checks the logic only: the expected
-verdicts are the GPU's.
+`python -m syncless doctor --quick --warmup 5 --steps 30 --json` on it and reads the verdict, the
+rank of the finding whose fix the twin applies (it should be the top one) and the step time that
+fix predicts; then runs the doctor on the fixed twin (the prescribed change applied; the loader
+twin gets the worker count the doctor prescribed): its monitor phase measures the twin's step the
+way the step before was measured (GPU drained, wall / steps), and any finding winning back >= 1%
+of the step there is a false alarm. `--plain` also runs each twin alone on its own clock
+(`step_ms=`); `--keep-traces` keeps the kernel trace each report read. It prints and writes
+(benchmarks/results/doctor_corpus.{json,md} by default) a table: verdict vs expected, step
+before, predicted and measured step after the fix, the gain's error, false alarms. Targets (H200):
+right verdict everywhere, measured gain within 25% of the predicted one, no false alarm. On
+`--device cpu` it checks the logic only: the expected verdicts are the GPU's.
 """
 from __future__ import annotations
 
@@ -41,15 +43,24 @@ SCRIPTS = [
      "logging_nan_inf_filter=False, non_blocking batch copy"),
     ("lightning_pbar", "CPU-bound", "framework", "prog_bar=False"),
 ]
-# The frameworks whose settings a twin changes: the findings it applies are all of those.
-TWIN_FRAMEWORKS = {"hf_trainer": ("transformers", "accelerate"), "lightning_pbar": ("lightning",)}
+# The framework settings a twin changes: the findings it applies are those of these settings.
+TWIN_SETTINGS = {"hf_trainer": ("logging_nan_inf_filter", "blocking batch copy"),
+                 "lightning_pbar": ("prog_bar",)}
 GAIN_TOLERANCE = 0.25
 NO_GAIN = 0.03         # a measured gain under 3% of the step counts as "no gain"
 
 
-def run(cmd: list, timeout: float, cwd: str) -> tuple[int, str, float]:
+KEEP_TRACES = None       # --keep-traces DIR: each doctor run's kernel trace, for diagnostics
+# --quick with 5 warm-up steps and 30 monitored ones: a framework's first steps still allocate
+# and pick kernels, and 15 steps let one slow step move the mean.
+DOCTOR = ["--warmup", "5", "--steps", "30"]
+
+
+def run(cmd: list, timeout: float, cwd: str, trace: str | None = None) -> tuple[int, str, float]:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
                TOKENIZERS_PARALLELISM="false")
+    if trace:
+        env["SYNCLESS_DOCTOR_KEEP_TRACE"] = trace
     env["PYTHONPATH"] = os.pathsep.join(p for p in (CORPUS, env.get("PYTHONPATH")) if p)
     t = time.perf_counter()
     try:
@@ -62,8 +73,10 @@ def run(cmd: list, timeout: float, cwd: str) -> tuple[int, str, float]:
 
 def doctor(script: str, args: list, options: list, timeout: float, cwd: str) -> tuple[dict, str]:
     path = os.path.join(cwd, f"{os.path.basename(script)}.json")
-    rc, out, secs = run([sys.executable, "-m", "syncless", "doctor", "--quick", "--json", path,
-                         *options, script, *args], timeout, cwd)
+    trace = os.path.join(KEEP_TRACES, os.path.basename(script)[:-3] + ".trace.json") \
+        if KEEP_TRACES else None
+    rc, out, secs = run([sys.executable, "-m", "syncless", "doctor", "--quick", *DOCTOR,
+                         "--json", path, *options, script, *args], timeout, cwd, trace)
     if not os.path.exists(path):
         return {"error": f"rc={rc}, no JSON; output tail:\n{out[-3000:]}", "seconds": secs}, out
     with open(path) as f:
@@ -80,10 +93,10 @@ def tick_line(script: str) -> int:
 
 
 def measure(name: str, applied: str, device: str, timeout: float, work: str,
-            plain: bool) -> dict:
+            plain: bool, extra: list = ()) -> dict:
     script = os.path.join(CORPUS, f"{name}.py")
     fixed = os.path.join(CORPUS, f"{name}_fixed.py")
-    dev = ["--device", device]
+    dev = ["--device", device, *extra]
     row: dict = {"script": name}
     d, report = doctor(script, dev, [], timeout, work)
     row["doctor"] = d
@@ -93,11 +106,11 @@ def measure(name: str, applied: str, device: str, timeout: float, work: str,
     top = d["findings"][0] if d["findings"] else None
     # The findings whose fixes the twin applies (the rank of the first: 1 = the top one, 0 =
     # minor or absent): the one of that kind, or for a framework twin every finding of the
-    # frameworks whose settings it changes; their predicted gains add up.
+    # settings it changes; their predicted gains add up.
     ranked = d["findings"] + d["minor"]
-    fws = TWIN_FRAMEWORKS.get(name)
+    fws = TWIN_SETTINGS.get(name)
     fixes = [f for f in ranked if f["kind"] == applied and
-             (fws is None or f.get("framework") in fws)]
+             (fws is None or f.get("setting") in fws)]
     if fws is None:
         fixes = fixes[:1]
     fix = fixes[0] if fixes else None
@@ -114,7 +127,7 @@ def measure(name: str, applied: str, device: str, timeout: float, work: str,
         twin_args += ["--workers", str(fix["workers_needed"])]
     row["twin_args"] = twin_args
     if plain:                         # the twin on its own clock, without the doctor
-        rc, out, secs = run([sys.executable, fixed, *twin_args, "--steps", "80"], timeout, work)
+        rc, out, secs = run([sys.executable, fixed, *twin_args, "--steps", "100"], timeout, work)
         m = re.search(r"step_ms=([0-9.]+)", out)
         row["plain_ms"] = float(m.group(1)) if m else None
     options = []
@@ -153,6 +166,11 @@ def judge(row: dict, expected: str, device: str) -> None:
     row["ok"] = row["verdict_ok"] and gain_ok and row["alarm_ok"] and row["applied_rank"] == 1
 
 
+def short(text: str) -> str:
+    """Paths in a finding's title from the corpus folder on (the run's checkout is elsewhere)."""
+    return re.sub(r"/\S*/(benchmarks/doctor_corpus/)", r"\1", text)
+
+
 def table(rows: list) -> str:
     head = ["script", "verdict", "expected", "step before", "fix applied (rank)",
             "predicted after", "measured after", "error", "gain error", "false alarms on the twin"]
@@ -168,12 +186,12 @@ def table(rows: list) -> str:
         gain = (f"{ge:+.0%}" if ge is not None else
                 ("no gain predicted" + (", none measured" if r.get("gain_ok") else
                                         ", but measured")))
-        alarms = "; ".join(r.get("false_alarms") or []) or ("none" if "twin_verdict" in r
-                                                            else "twin doctor failed")
+        alarms = "; ".join(short(a) for a in r.get("false_alarms") or []) or \
+            ("none" if "twin_verdict" in r else "twin doctor failed")
         se = r.get("step_error")
         err = f"{se:+.0%}" if se is not None else "-"
         lines.append(f"| {r['script']} | {r['verdict']} | {r.get('expected', '')} | "
-                     f"{ms(r['step_ms'])} | {r.get('applied') or 'not found'} "
+                     f"{ms(r['step_ms'])} | {short(r.get('applied') or 'not found')} "
                      f"({r.get('applied_rank') or 'minor'}) | {ms(r['predicted_ms'])} | "
                      f"{ms(r.get('measured_ms'))} | {err} | {gain} | {alarms} |")
     return "\n".join(lines)
@@ -202,6 +220,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per process, seconds")
     p.add_argument("--plain", action="store_true",
                    help="also run each twin without the doctor, on its own clock")
+    p.add_argument("--keep-traces", metavar="DIR",
+                   help="keep each doctor run's kernel trace in DIR (diagnostics)")
+    p.add_argument("--script-args", default="", metavar="ARGS",
+                   help="extra arguments for every script and twin (--script-args='--batch 32')")
     p.add_argument("--render", metavar="JSON",
                    help="only rewrite the markdown table from a results file (rows judged again)")
     ns = p.parse_args(argv)
@@ -213,6 +235,10 @@ def main(argv=None) -> int:
             judge(row, expected[row["script"]][0], saved["env"]["device"])
         print(write(saved["rows"], saved["env"], ns.out))
         return 0
+    global KEEP_TRACES
+    if ns.keep_traces:
+        KEEP_TRACES = os.path.abspath(ns.keep_traces)
+        os.makedirs(KEEP_TRACES, exist_ok=True)
     import torch
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     chosen = [s for s in SCRIPTS if not ns.only or s[0] in ns.only]
@@ -225,7 +251,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="doctor-corpus-") as work:
         for name, expected, applied, change in chosen:
             t = time.perf_counter()
-            row = measure(name, applied, device, ns.timeout, work, ns.plain)
+            row = measure(name, applied, device, ns.timeout, work, ns.plain, ns.script_args.split())
             row["change"] = change
             judge(row, expected, device)
             row["seconds"] = time.perf_counter() - t

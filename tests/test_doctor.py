@@ -565,7 +565,8 @@ def test_framework_syncs_group_by_library_line_with_their_setting():
     a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 2_000_000, 1)])
     d = assess(summary(12.0), a, 2, 12.0, True, 11.0, 9.0, 3)
     f = d.findings[0]
-    assert f.kind == "framework" and f.title == "transformers syncs 1×/step", d.report()
+    assert f.kind == "framework" and \
+        f.title == "transformers syncs 1×/step (logging_nan_inf_filter)", d.report()
     assert f"transformers/trainer.py:{nan_line}" in f.detail
     assert f"(entered at {entry.where} `trainer.train()`)" in f.detail
     assert f.fixes[0].startswith("TrainingArguments(logging_nan_inf_filter=False)")
@@ -582,6 +583,22 @@ def test_lightning_progress_bar_sync_names_prog_bar():
     fw = framework_fix((Frame(tqdm_progress.__file__, line, "on_train_batch_end"),))
     assert fw.framework == "lightning" and "prog_bar=False" in fw.fix
     assert "syncless.lightning" in fw.fix
+
+
+def test_transformers_mask_check_sync_names_what_removes_it():
+    masking = pytest.importorskip("transformers.masking_utils")
+    from syncless.doctor._frameworks import framework_fix
+    from syncless.doctor._frames import Frame
+    src = inspect.getsource(masking).splitlines()
+    start = next(i for i, l in enumerate(src, 1) if "def find_packed_sequence_indices" in l)
+    line = next(i for i, l in enumerate(src[start:], start + 1) if ".all()" in l)
+    trainer = pytest.importorskip("transformers.trainer")
+    chain = (Frame(masking.__file__, line, "find_packed_sequence_indices"),
+             Frame(trainer.__file__, 1, "training_step"))
+    fw = framework_fix(chain)
+    assert (fw.framework, fw.setting) == ("transformers", "mask checks")
+    assert "no TrainingArguments setting removes it" in fw.fix
+    assert "torch_compile=True" in fw.fix
 
 
 def test_prescriptions_leave_out_what_is_already_on():
@@ -1072,3 +1089,22 @@ def test_cli_trace_on_cuda_holds_the_kernels(tmp_path):
     kernels = [e for e in events if e.get("cat") == "kernel"]
     assert kernels, sorted({e.get("cat") for e in events}, key=str)
     assert [e for e in events if e.get("name") == "aten::addmm"], "the CPU ops are there too"
+
+
+@pytest.mark.cuda
+def test_monitor_reads_each_steps_own_gpu_time():
+    # The monitor pools its event pairs; a pair once read kept returning that first reading, so
+    # every step after the first pool cycle showed the first step's GPU time.
+    x = torch.randn(2048, 2048, device="cuda")
+    mon = StepMonitor(gpu_every=1)
+    sizes = [1, 8] * 40                        # matmuls per step: short and long steps in turn
+    for n in sizes:
+        mon.begin()
+        for _ in range(n):
+            x @ x
+        mon.end()
+    torch.cuda.synchronize()
+    mon.drain()
+    short = statistics.median(mon.gpu_ms[i] for i in range(10, len(sizes), 2))
+    long = statistics.median(mon.gpu_ms[i] for i in range(11, len(sizes), 2))
+    assert long > 5 * short, (short, long)

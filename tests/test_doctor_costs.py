@@ -86,6 +86,33 @@ def test_trace_counts_the_idle_after_a_sync_until_the_host_leads_again(tmp_path)
     assert t.sync_idle_ms == pytest.approx((0.198 + 0.010 + 0.190 + 0.005) / 2)
 
 
+def test_trace_tells_the_gpus_own_gaps_from_its_waits_for_launches(tmp_path):
+    def k(ts, dur, c):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": "k", "args": {"correlation": c}}
+
+    def launch(ts, c, tid=1):
+        return {"cat": "cuda_runtime", "ts": ts, "dur": 4, "name": "cudaLaunchKernel",
+                "tid": tid, "args": {"correlation": c}}
+
+    events = [
+        # four kernels all launched long before the GPU reached them, 5 µs apart on the GPU
+        # (the GPU's own gaps, with work queued), then two launched after the GPU ran dry (20
+        # and 30 µs of waiting for the host), the last one from the autograd thread
+        launch(0, 1), launch(5, 2), launch(10, 3), launch(15, 4),
+        k(100, 50, 1), k(155, 50, 2), k(210, 50, 3), k(265, 50, 4),
+        launch(320, 5), k(335, 50, 5), launch(405, 6, tid=2), k(415, 50, 6),
+        {"cat": "cuda_runtime", "ts": 470, "dur": 12, "name": "cudaStreamSynchronize",
+         "tid": 1}]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    t = trace_gpu(str(tmp_path / "t.json"), 1)
+    assert t.busy_ms == pytest.approx(0.300)
+    assert t.queued_gap_ms == pytest.approx(0.015), "three 5 µs gaps with the next kernel queued"
+    assert t.launch_wait_ms == pytest.approx(0.020 + 0.030)
+    assert t.queued_ops == pytest.approx(3 / 5)
+    assert t.calls["cudaLaunchKernel"] == [6, 4.0]
+    assert t.blocked_threads == {"1": pytest.approx(0.012)}
+
+
 # ---- syncs --------------------------------------------------------------------------------------
 
 def test_a_sync_in_a_host_bound_step_wins_no_more_than_it_blocks():
@@ -152,6 +179,55 @@ def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
     assert d.sync_cost_ms == 0.0
 
 
+def test_a_gpu_whose_queue_never_ran_dry_is_the_step_and_the_data_wait_costs_nothing():
+    # lightning_pbar's twin (prog_bar=False) on the H200: 30.18 ms steps, 3.47 ms of them the
+    # training thread encoding the next batch while the GPU runs 29.97 ms of kernels (the probe:
+    # 29.84). In the trace 99.7% of the kernels were queued before the GPU got to them and the
+    # GPU waited for launches 0.23 ms a step: the GPU is the step. Taking the kernels' 29.84 ms
+    # would leave the host "0.34 ms slower" and blame the data wait for it.
+    a = cupti_audit([], kernels_per_step=388)
+    trace = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=0.234,
+                       queued_ops=0.997)
+    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=trace, launch_us=13.0)
+    assert (d.gpu_work_ms, d.gpu_work_source) == (30.18, "queue never ran dry")
+    assert d.verdict_kind == "GPU-bound" and d.findings == [], d.report()
+    assert d.finding("starvation").cost_ms == 0.0
+    # The same step whose GPU waited for launches 1.5 ms a step (5%): the kernels are its work,
+    # and the host's time (data wait in) is the longer side by the difference.
+    waiting = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=1.5,
+                         queued_ops=0.9)
+    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=waiting, launch_us=13.0)
+    assert (d.gpu_work_ms, d.gpu_work_source) == (29.84, "queue full")
+    assert d.finding("starvation").cost_ms == pytest.approx(0.34)
+
+
+def test_a_progress_bar_sync_in_a_gpu_bound_step_costs_the_idle_after_it():
+    # lightning_pbar (prog_bar=True) on the H200: 36.46 ms steps, 4.57 ms of them encoding the
+    # next batch, 29.87 ms of kernels; 31% of the monitored steps' stack samples sat in the
+    # progress bar's .item() (11.4 ms/step: the host waits for the GPU there), and the trace
+    # saw the GPU idle 6.35 ms a step from its returns until the host led again: the batch is
+    # encoded while the GPU has nothing to run. The twin measured 30.18 ms.
+    bar = item_site()._replace(code="trainer.fit(model, loader)",
+                               via="lightning/fabric/utilities/apply_func.py:134")
+    a = cupti_audit([(bar, "cudaStreamSynchronize", SYNC, 2_100_000, 2)], kernels_per_step=388)
+    sampler = StackSampler()
+    sampler.counts.update({(bar.file, bar.line, bar.via): 314, (bar.file, bar.line + 1, ""): 686})
+    sampler.total = 1000
+    trace = KernelTime(29.87, 5.916, 2.0, 3.985, 6.348, queued_gap_ms=0.008,
+                       launch_wait_ms=8.282, queued_ops=0.97)
+    d = assess(summary(36.46, 4.567, 31.26), a, 5, 36.46, True, 36.42, 36.93, 3,
+               kernel_time=trace, launch_us=13.3, sampler=sampler)
+    assert d.gpu_work_source == "kernel trace" and d.sync_ms == pytest.approx(36.46 * 0.314)
+    top = d.findings[0]
+    assert top.kind == "sync" and top.cost_ms == pytest.approx(6.348)
+    assert top.fixes[0].predicted_ms == pytest.approx(36.46 - 6.348)
+    assert d.finding("starvation") in d.minor and d.finding("starvation").cost_ms == 0.0, \
+        "the host's 25 ms, the encoding in, hide behind the GPU's 29.9 once the sync is gone"
+    assert d.finding("launch-bound") is None
+
+
 # ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
 
 class Sleepy(Dataset):
@@ -188,6 +264,35 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
     slow = with_gpu(0.95 * s)
     assert slow.verdict_kind == "GPU-bound"
     assert slow.finding("starvation").cost_ms == pytest.approx(0.05 * s)
+
+
+def test_a_data_wait_behind_a_gpu_whose_queue_never_ran_dry_costs_nothing():
+    # A step that waits 20 ms for data and works 5 ms, measured; a GPU given 97% of the step.
+    # Traced with its queue never dry (0.1% of the step waiting for launches), the GPU is the
+    # step: the data wait hides behind it. Traced waiting 10% of the step for launches, the
+    # kernels are its work, and the host (data wait in) is the longer side by the difference.
+    model = nn.Linear(4, 4)
+
+    def step(batch):
+        model(batch).sum().backward()
+        time.sleep(0.005)
+
+    d = doctor(step, steps=5, warmup=1, loader=DataLoader(Sleepy(), batch_size=1), file=None)
+    s, cpu = d.step_ms, d.summary
+    assert cpu.data_ms > 3 * cpu.cpu_ms, d.report()
+
+    def traced(wait_share):
+        t = KernelTime(0.97 * s, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.0,
+                       launch_wait_ms=wait_share * s, queued_ops=1.0 - wait_share)
+        return assess(cpu, d.audit, 1, s, True, s, 0.97 * s, 3, kernel_time=t)
+
+    dry = traced(0.001)
+    assert (dry.gpu_work_ms, dry.gpu_work_source) == (s, "queue never ran dry")
+    assert dry.verdict_kind == "GPU-bound" and dry.findings == []
+    assert dry.finding("starvation").cost_ms == 0.0
+    waiting = traced(0.10)
+    assert waiting.gpu_work_source == "queue full"
+    assert waiting.finding("starvation").cost_ms == pytest.approx(0.03 * s)
 
 
 def test_the_monitored_steps_stack_samples_time_a_sync_the_audit_saw_barely_block():

@@ -6,10 +6,10 @@ import torch
 
 
 class StepClock:
-    # 40 warm-up steps: the doctor (--quick) stops a script after ~30 steps, so the clock's
+    # 60 warm-up steps: the corpus' doctor runs stop a script after 47 steps, so the clock's
     # synchronize never lands in the doctor's measured steps (in a GPU-bound twin it drained the
     # queue once and left the GPU idle while the host restarted: ~0.3 ms/step of 15).
-    def __init__(self, device: str, warmup: int = 40):
+    def __init__(self, device: str, warmup: int = 60):
         self.cuda = str(device).startswith("cuda")
         self.warmup = warmup
         self.n = 0

@@ -3,16 +3,39 @@
 that metric with .item() after every batch, a sync that leaves the GPU idle while Lightning
 prepares the next batch."""
 import argparse
+import random
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from _timing import StepClock
 
 PROG_BAR = True
+
+
+class TextWindows(Dataset):
+    """Windows of a text, split into words and encoded in Python per item (a word-level
+    tokenizer), on the training thread: the DataLoader keeps its default num_workers=0."""
+
+    def __init__(self, vocab, block, n_words, seed=0):
+        rng = random.Random(seed)
+        words = [f"w{i}" for i in range(vocab - 1)]
+        self.stoi = {w: i + 1 for i, w in enumerate(words)}      # 0: unknown
+        self.text = " ".join(words[min(int(rng.paretovariate(1.1)) - 1, vocab - 2)]
+                             for _ in range(n_words))
+        self.block = block
+        self.span = 8 * (block + 1)            # characters that hold block + 1 words
+
+    def __len__(self):
+        return (len(self.text) - self.span) // self.span
+
+    def __getitem__(self, i):
+        words = self.text[i * self.span:(i + 1) * self.span].split()[1:self.block + 2]
+        ids = torch.tensor([self.stoi.get(w, 0) for w in words])
+        return ids[:-1], ids[1:]
 
 
 class LitLM(L.LightningModule):
@@ -49,14 +72,21 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--tokens", action="store_true",
+                   help="random token blocks in a TensorDataset instead of encoded text")
     args = p.parse_args()
     cpu = args.device == "cpu"
     vocab, d, layers, heads, block, batch = (256, 64, 2, 2, 32, 4) if cpu else \
-        (4096, 512, 6, 8, 256, 16)
+        (4096, 512, 6, 8, 256, 32)
+    batch = args.batch or batch
     torch.manual_seed(0)
-    tokens = torch.randint(0, vocab, (4096, block + 1))
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch,
-                        shuffle=True)
+    if args.tokens:
+        tokens = torch.randint(0, vocab, (4096, block + 1))
+        data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    else:
+        data = TextWindows(vocab, block, 600 * (block + 1) if cpu else 1_200_000)
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
     clock = StepClock(args.device)
     model = LitLM(vocab, d, layers, heads, block, clock)
     trainer = L.Trainer(max_steps=args.steps, accelerator="cpu" if cpu else "gpu", devices=1,

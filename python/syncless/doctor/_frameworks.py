@@ -17,6 +17,11 @@ class FrameworkFix(NamedTuple):
     framework: str         # "transformers" | "lightning" | "torchmetrics" | "accelerate"
     frame: Frame           # the library line the rule matched
     fix: str
+    setting: str = ""      # what the fix changes, in a word or two (the finding's title says it)
+
+
+_MASKS = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa",
+          "_ignore_bidirectional_mask_sdpa", "_preprocess_mask_arguments", "padding_mask_function")
 
 
 def _package(frame: Frame) -> str:
@@ -28,43 +33,53 @@ def _package(frame: Frame) -> str:
     return ""
 
 
-def _hf(frame: Frame, text: str) -> str | None:
+def _hf(frame: Frame, text: str) -> tuple[str, str] | None:
     if "logging_nan_inf_filter" in text:
         return ("TrainingArguments(logging_nan_inf_filter=False): the Trainer checks every step's "
                 "loss for NaN/Inf with a host read (a sync per step); or log through syncless.hf, "
-                "which keeps the loss on the GPU")
+                "which keeps the loss on the GPU", "logging_nan_inf_filter")
     if "num_input_tokens_seen" in text or frame.function == "_track_num_input_tokens":
         return ("TrainingArguments(include_num_input_tokens_seen='no'): counting the tokens seen "
-                "reads a GPU sum on the host every step")
+                "reads a GPU sum on the host every step", "include_num_input_tokens_seen")
+    if frame.function in _MASKS or frame.file.replace("\\", "/").endswith("/masking_utils.py"):
+        # transformers 5: without an attention_mask it checks position_ids for packed sequences,
+        # with one it checks the mask for padding (to skip building it): a host read either way,
+        # skipped only while the model is traced.
+        return ("transformers' attention-mask code reads the batch on the host once per forward "
+                "(the packed-sequence check when the batch has no attention_mask, the padding "
+                "check when it has one): no TrainingArguments setting removes it; a compiled "
+                "model skips it (TrainingArguments(torch_compile=True))", "mask checks")
     return None
 
 
-def _accelerate(frame: Frame, text: str) -> str | None:
+def _accelerate(frame: Frame, text: str) -> tuple[str, str] | None:
     if frame.function in ("send_to_device", "_send_to_device") or "send_to_device" in text:
         return ("the batch is copied to the GPU with non_blocking=False (torch syncs after such a "
                 "copy): TrainingArguments(accelerator_config={'non_blocking': True}) with "
                 "dataloader_pin_memory=True (accelerate: DataLoaderConfiguration(non_blocking="
-                "True))")
+                "True))", "blocking batch copy")
     return None
 
 
-def _lightning(frames: tuple, frame: Frame, text: str) -> str | None:
+def _lightning(frames: tuple, frame: Frame, text: str) -> tuple[str, str] | None:
     if any("/progress/" in f.file.replace("\\", "/") or "progress_bar" in f.function
            for f in frames):
         return ("self.log(..., prog_bar=True) reads each such metric with .item() every batch "
                 "for the progress bar: log it with prog_bar=False (or "
-                "Trainer(enable_progress_bar=False)), or use the syncless.lightning integration")
+                "Trainer(enable_progress_bar=False)), or use the syncless.lightning integration",
+                "prog_bar")
     if "to_tensor" in frame.function or "torch.tensor(value" in text:
         return ("self.log(name, <Python float>) copies the number to the GPU at every call (a "
                 "blocking host-to-device copy): log a tensor that is already on the device, or "
-                "log the value less often (on_step=False)")
+                "log the value less often (on_step=False)", "self.log(float)")
     return None
 
 
-def _torchmetrics(frame: Frame, text: str) -> str | None:
+def _torchmetrics(frame: Frame, text: str) -> tuple[str, str] | None:
     if "nan" in text.lower() or "nan" in frame.function:
         return ("the metric checks every update for NaN with a host read: construct it with "
-                "nan_strategy='disable' (no check) when the inputs cannot hold NaN")
+                "nan_strategy='disable' (no check) when the inputs cannot hold NaN",
+                "nan_strategy")
     return None
 
 
@@ -84,5 +99,5 @@ def framework_fix(chain: tuple) -> FrameworkFix | None:
         else:
             fix = _torchmetrics(frame, text)
         if fix:
-            return FrameworkFix(pkg, frame, fix)
+            return FrameworkFix(pkg, frame, *fix)
     return None

@@ -20,6 +20,7 @@ another, at its step boundaries:
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
 sooner gets the report of what was measured, with a note naming the phases that did not run.
+SYNCLESS_DOCTOR_KEEP_TRACE=PATH keeps a copy of the kernel trace the report read (diagnostics).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 import threading
@@ -234,6 +236,9 @@ class ScriptSession:
             self._profile.export_chrome_trace(self._trace_path)
             if gpu and self.done["kernels"]:
                 self.kernel_time = trace_gpu(self._trace_path, self.done["kernels"])
+            keep = os.environ.get("SYNCLESS_DOCTOR_KEEP_TRACE")
+            if keep and not self.trace:      # a copy of the trace the report read (diagnostics)
+                shutil.copyfile(self._trace_path, keep)
             if self.trace:
                 self.traced = True
             else:

@@ -129,7 +129,7 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
 def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
                   wins_ms: float | None = None, samples: dict | None = None) -> list:
     """One finding per sync line of user code; syncs made inside a framework are grouped into one
-    finding per framework, naming the settings that remove them.
+    finding per framework setting that removes them (the setting in the title).
 
     `wins_ms`: what removing every sync of the step wins back (the module's model; None: the
     audit's blocked time bounded by the GPU idle). Each finding gets the share of it that its
@@ -173,7 +173,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
             continue
         fw = framework_fix(s.site.chain) if s.site.chain else None
         if fw is not None:
-            frameworks.setdefault(fw.framework, []).append((s, fw, ms, per_step))
+            frameworks.setdefault((fw.framework, fw.setting), []).append((s, fw, ms, per_step))
             continue
         what = ", ".join(s.what)
         blocked = f", blocking {ms:.3f} ms/step under the audit" if timed else ""
@@ -186,7 +186,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         out.append(Finding("sync", f"Sync at {s.where}", step_ms - (predicted or step_ms),
                            f"`{s.site.code}`{via}: {what}, {per_step:g}×/step{blocked}",
                            [fix], s.where, {"blocked_ms": ms, "per_step": per_step}))
-    for name, sites in frameworks.items():
+    for (name, setting), sites in frameworks.items():
         total = sum(ms for _, _, ms, _ in sites)
         predicted = predict([x for x, _, _, _ in sites])
         lines, fixes = [], []
@@ -201,9 +201,11 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         if len(fixes) > 1:
             fix_objs[0] = Fix(fixes[0] + " (the prediction is for all of these settings)",
                               predicted, "setting")
-        out.append(Finding("framework", f"{name} syncs {count:g}×/step", step_ms -
-                           (predicted or step_ms), "\n".join(lines), fix_objs, sites[0][0].where,
-                           {"blocked_ms": total, "per_step": count, "framework": name}))
+        title = f"{name} syncs {count:g}×/step" + (f" ({setting})" if setting else "")
+        out.append(Finding("framework", title, step_ms - (predicted or step_ms),
+                           "\n".join(lines), fix_objs, sites[0][0].where,
+                           {"blocked_ms": total, "per_step": count, "framework": name,
+                            "setting": setting}))
     return out
 
 
