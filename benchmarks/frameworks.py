@@ -42,12 +42,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import io
 import logging
 import os
 import random
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -59,57 +61,133 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import (env_info, interleave, md_table, median_ci, num,  # noqa: E402
-                                paired_ratios, pct, pct_ci, summarize, write_json)
+from benchmarks._common import (SyncCount, env_info, interleave, md_table,  # noqa: E402
+                                median_ci, num, paired_ratios, pct, pct_ci, summarize,
+                                write_json)
 
 
 # ---- counting and timing windows -------------------------------------------------------------
 
 class Window:
-    """Between two step indices: either count sync-debug warnings or time with a synchronize at
-    both ends. Framework callbacks call begin(i) / end(i)."""
+    """Steps `start` to `stop` of one run (framework callbacks call begin(i) / end(i) at every
+    step): either count sync-debug warnings, or time them.
 
-    def __init__(self, start: int, stop: int, count: bool, cuda: bool):
+    Timing, the same for both variants: a full gc.collect() before the clock starts (so that a
+    gen-2 collection owed by earlier runs' garbage does not land in whichever run happens to be
+    going; collections the steps themselves cause still run, and are counted in `gc`), then
+    `pieces` equal sub-windows, each between two device synchronizes, each giving ms/step and the
+    training thread's CPU ms/step; `pin` (a Pinning) is applied before the clock starts.
+    """
+
+    def __init__(self, start: int, stop: int, count: bool, cuda: bool, pieces: int = 1,
+                 pin: "Pinning | None" = None):
         self.start, self.stop, self.count, self.cuda = start, stop, count, cuda
-        self.syncs = 0
-        self.sites: dict[str, int] = {}
+        self.syncs = SyncCount(_short)
+        self.pin = pin
+        n = stop - start + 1
+        pieces = max(1, min(pieces, n))
+        # The steps at which a piece begins, and the one after the last.
+        self._bounds = [start + n * k // pieces for k in range(pieces)] + [stop + 1]
+        self.piece_ms: list[float] = []
+        self.piece_cpu_ms: list[float] = []
         self.seconds = None
         self.cpu_seconds = None              # the training thread's CPU time in the window
-        self._ctx = None
-
-    def begin(self, i: int) -> None:
-        if i != self.start:
-            return
-        if self.count and self.cuda:
-            self._ctx = warnings.catch_warnings(record=True)
-            self._rec = self._ctx.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        if self.cuda:
-            torch.cuda.synchronize()
-        self._t0 = time.perf_counter()
-        self._c0 = time.thread_time()
-
-    def end(self, i: int) -> None:
-        if i != self.stop:
-            return
-        if self._ctx is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-            for w in self._rec:
-                if "synchroniz" in str(w.message):
-                    self.syncs += 1
-                    key = f"{_short(w.filename)}:{w.lineno}"
-                    self.sites[key] = self.sites.get(key, 0) + 1
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - self._t0
-        self.cpu_seconds = time.thread_time() - self._c0
+        self.gc = {"collections": [0, 0, 0], "ms": 0.0}
+        self._gc_t0 = None
+        self._in = False
 
     @property
     def steps(self) -> int:
         return self.stop - self.start + 1
+
+    def _gc_event(self, phase: str, info: dict) -> None:
+        # Any thread's collection: one holds the GIL, so the training thread waits for it too.
+        if not self._in:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.gc["ms"] += (time.perf_counter() - self._gc_t0) * 1e3
+            self.gc["collections"][info["generation"]] += 1
+            self._gc_t0 = None
+
+    def _mark(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        t, c = time.perf_counter(), time.thread_time()
+        if self._marks:
+            t0, c0 = self._marks[-1]
+            k = len(self._marks)
+            steps = self._bounds[k] - self._bounds[k - 1]
+            self.piece_ms.append((t - t0) / steps * 1e3)
+            self.piece_cpu_ms.append((c - c0) / steps * 1e3)
+        self._marks.append((t, c))
+
+    def begin(self, i: int) -> None:
+        if i == self.start:
+            if self.count:
+                if self.cuda:
+                    self.syncs.start()
+                return
+            if self.pin is not None:
+                self.pin.apply()
+            gc.collect()
+            gc.callbacks.append(self._gc_event)
+            self._in = True
+            self._marks: list = []
+            self._mark()
+        elif self._in and i in self._bounds[1:-1]:
+            self._mark()
+
+    def end(self, i: int) -> None:
+        if i != self.stop:
+            return
+        if self.count:
+            self.syncs.stop()
+            return
+        if not self._in:
+            return
+        self._mark()
+        self._in = False
+        gc.callbacks.remove(self._gc_event)
+        (t0, c0), (t1, c1) = self._marks[0], self._marks[-1]
+        self.seconds, self.cpu_seconds = t1 - t0, c1 - c0
+
+
+class Pinning:
+    """Fixed cores for the process's threads, the same for every run of both variants: the
+    training thread alone on `main`, every other thread (the CUDA driver's, the autograd
+    engine's device thread, syncless's delivery thread) on `others`. A thread inherits its
+    creator's cores, so apply() runs at each window's start, after the run made its threads;
+    it changes nothing the framework computes."""
+
+    def __init__(self, main: set, others: set):
+        self.main, self.others = set(main), set(others)
+
+    @classmethod
+    def choose(cls) -> "Pinning | None":
+        """Core 1 for the training thread, cores 2-4 for the rest (core 0 takes most device
+        interrupts); None where fewer than 5 cores are ours to use."""
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return None
+        if len(cores) < 5:
+            return None
+        return cls({cores[1]}, set(cores[2:5]))
+
+    def apply(self) -> None:
+        me = threading.get_native_id()
+        for name in os.listdir("/proc/self/task"):
+            tid = int(name)
+            try:
+                os.sched_setaffinity(tid, self.main if tid == me else self.others)
+            except OSError:                  # a thread that ended meanwhile
+                pass
+
+    def describe(self) -> str:
+        return (f"training thread on core {sorted(self.main)}, other threads on cores "
+                f"{sorted(self.others)}")
 
 
 def _short(path: str) -> str:
@@ -318,12 +396,12 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
                     with tempfile.TemporaryDirectory() as tmp:
                         out = fit(device, cfg, variant == "syncless", total, win, tmp=tmp, **ckw)
                     values[variant] = out["values"]
-                    top = sorted(win.sites.items(), key=lambda kv: -kv[1])[:4]
+                    top = sorted(win.syncs.sites.items(), key=lambda kv: -kv[1])[:4]
                     section["counts"].setdefault(cname, {})[variant] = {
-                        "syncs_per_step": win.syncs / win.steps if cuda else None,
+                        "syncs_per_step": win.syncs.count / win.steps if cuda else None,
                         "sites": {k: v / win.steps for k, v in top}, "waits": out["waits"]}
                     print(f"  {cname:28s} {variant:9s} syncs/step "
-                          f"{num(win.syncs / win.steps) if cuda else 'n/a (cpu)'}  "
+                          f"{num(win.syncs.count / win.steps) if cuda else 'n/a (cpu)'}  "
                           f"{', '.join(f'{k} {v / win.steps:.2f}' for k, v in top)}", flush=True)
                 same = values["native"] == values["syncless"]
                 c = section["counts"][cname]
