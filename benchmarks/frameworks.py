@@ -47,6 +47,7 @@ import io
 import logging
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -334,6 +335,15 @@ def _steps(quick: bool, model: str) -> tuple[int, int, int]:
     return (24, 6, 19) if quick else (60, 10, 49)
 
 
+def _timed_steps(quick: bool, model: str) -> tuple[int, int, int, int]:
+    """(total steps, window start, window stop, pieces) of one timed run. The small models'
+    window is 300 steps in 6 pieces of 50 (a multiple of HF's per-step copy, every 50 steps;
+    Lightning's `log_every_n_steps`, 50, puts one logging step in each)."""
+    if model == "small":
+        return (70, 10, 69, 2) if quick else (330, 30, 329, 6)
+    return (24, 6, 19, 1) if quick else (60, 10, 49, 1)
+
+
 def _cells(values: list) -> list:
     """The logged values as one flat list: HF log_history dicts (sorted keys) or CSV rows."""
     out: list = []
@@ -363,7 +373,8 @@ def max_rel_diff(a: list, b: list) -> float | None:
 
 
 def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | None = None,
-        deterministic_check: bool = True, small_rounds: int | None = None) -> dict:
+        deterministic_check: bool = True, small_rounds: int | None = None,
+        pin: "Pinning | None" = None) -> dict:
     """Fills results["sections"], calling save() after each one (a cut run keeps what it has).
     only: the frameworks to run ({"lightning", "hf"}; None: both); small_rounds: rounds for the
     small models (the noisiest: the host's speed is their step time), default `rounds`."""
@@ -425,22 +436,34 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
                       flush=True)
 
             cpu_ms: dict = {"native": [], "syncless": []}
+            pieces_ms: dict = {"native": [], "syncless": []}
+            gc_seen: dict = {"native": [], "syncless": []}
+            t_total, t_start, t_stop, n_pieces = _timed_steps(quick, model_name)
 
             def timed(variant: str):
                 def go() -> float:
-                    win = Window(start, stop, count=False, cuda=cuda)
+                    win = Window(t_start, t_stop, count=False, cuda=cuda, pieces=n_pieces,
+                                 pin=pin)
                     with tempfile.TemporaryDirectory() as tmp:
-                        fit(device, cfg, variant == "syncless", total, win, tmp=tmp)
-                    cpu_ms[variant].append(win.cpu_seconds / win.steps * 1e3)
-                    return win.seconds / win.steps * 1e3
+                        fit(device, cfg, variant == "syncless", t_total, win, tmp=tmp)
+                    # A run's number: the median of its pieces (one piece: the window).
+                    cpu_ms[variant].append(statistics.median(win.piece_cpu_ms))
+                    pieces_ms[variant].append(win.piece_ms)
+                    gc_seen[variant].append(win.gc)
+                    return statistics.median(win.piece_ms)
                 return go
             n_rounds = small_rounds if (small_rounds and model_name == "small") else rounds
             section["rounds"] = n_rounds
+            section["timing"] = {"steps": t_total, "window": [t_start, t_stop],
+                                 "pieces": n_pieces, "gc_collect_first": True,
+                                 "pinning": pin.describe() if pin else None}
             times = interleave({"native": timed("native"), "syncless": timed("syncless")},
                                n_rounds, rng)
             ratios = paired_ratios(times, "syncless", "native")
             section["ms_per_step"] = {k: summarize(v) for k, v in times.items()}
             section["raw_ms"] = times
+            section["raw_piece_ms"] = pieces_ms
+            section["gc_in_window"] = gc_seen
             # The training thread's CPU time per step: the host's work, sync waits included
             # (CUDA spins while it waits), time the thread did not run excluded.
             section["raw_cpu_ms"] = cpu_ms
@@ -448,6 +471,9 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
             section["cpu_ratio_ci"] = median_ci(paired_ratios(cpu_ms, "syncless", "native"))
             section["ratio"] = summarize(ratios)
             section["ratio_ci"] = median_ci(ratios)
+            for variant in ("native", "syncless"):
+                print(f"  {variant:9s} ms/step per round: "
+                      f"{' '.join(f'{x:.3f}' for x in times[variant])}", flush=True)
             print(f"  step time native {num(section['ms_per_step']['native']['median'])} ms, "
                   f"syncless {num(section['ms_per_step']['syncless']['median'])} ms, "
                   f"syncless/native {pct(section['ratio']['median'])} "
@@ -559,6 +585,27 @@ def markdown(results: dict, env: dict) -> str:
     lines.append(md_table(["framework", "model", "syncs/step native", "syncs/step syncless",
                            "ms/step native", "ms/step syncless", "syncless vs native",
                            "95% CI", "rounds", "values identical"], rows))
+    lines += ["", "Step time, the same for both variants: a timed run's window lies between two "
+                  "device synchronizes and is cut into pieces, each between synchronizes too; the "
+                  "run's ms/step is the median of its pieces; a full `gc.collect()` runs before "
+                  "each window, outside it (collections the steps cause run and are counted); "
+                  f"threads pinned: {env.get('pinning') or 'no'}.", ""]
+    rows = []
+    for s in results["sections"]:
+        t = s.get("timing")
+        if not t:
+            continue
+        gcs = {v: sum(g["collections"][2] for g in s["gc_in_window"][v]) for v in
+               ("native", "syncless")}
+        gms = {v: summarize(g["ms"] for g in s["gc_in_window"][v])["max"] for v in
+               ("native", "syncless")}
+        rows.append([s["framework"], s["model"], t["steps"], f"{t['window'][0]}-{t['window'][1]}",
+                     t["pieces"], f"{gcs['native']} / {gcs['syncless']}",
+                     f"{num(gms['native'])} / {num(gms['syncless'])}"])
+    if rows:
+        lines.append(md_table(["framework", "model", "steps per run", "timed steps", "pieces",
+                               "gen-2 collections in windows (native / syncless)",
+                               "most GC ms in one window"], rows))
     kept: dict = {}
     for s in results["sections"]:
         if s.get("kept_from"):
@@ -610,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default=None, metavar="JSON",
                    help="with --only: keep the other framework's sections from this earlier "
                         "result file (the table says so, with their date and rounds)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave threads where the OS puts them (default: Pinning.choose())")
     p.add_argument("--values-only", default=None, metavar="FW:MODEL:CONFIG",
                    help=argparse.SUPPRESS)   # the deterministic re-check's child process
     args = p.parse_args(argv)
@@ -656,8 +705,12 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
         return text
 
+    pin = None if args.no_pin else Pinning.choose()
+    env["pinning"] = pin.describe() if pin else None
+    if pin is not None:
+        pin.apply()
     run(device, args.quick, rounds, results, save, only={args.only} if args.only else None,
-        small_rounds=args.small_rounds)
+        small_rounds=args.small_rounds, pin=pin)
     text = save()
     print()
     print(text)
