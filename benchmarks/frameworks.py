@@ -30,12 +30,24 @@ table gives the largest relative difference of each pair, and (on CUDA) a child 
 three again under torch.use_deterministic_algorithms(True) and the math attention backend:
 identical there means syncless changes no value, and the difference is the GPU kernels' own
 nondeterminism.
-Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; each run
-times its window between two device synchronizes; the table gives the median ms/step and the
-median of the per-round ratios syncless/native with its 95% confidence interval (6 rounds at
-least), and the training thread's CPU time per step beside it. The small models' step is the
-host's work (about 200 kernels of a few µs, the GPU busy under a tenth of it), so their runs
-vary most (±10-20% run to run on the H200 host): --small-rounds gives them more rounds.
+Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; the
+table gives the median ms/step and the median of the per-round ratios syncless/native with its
+95% confidence interval (6 rounds at least), and the training thread's CPU time per step beside
+it. The small models' step is the host's work (about 200 kernels of a few µs, the GPU busy under
+a tenth of it), so they are timed with more care, the same for both variants:
+- a timed run's window is 300 steps after 30 of warm-up, cut into 6 pieces of 50 steps, each
+  between two device synchronizes; the run's ms/step is the median of its pieces, so that a
+  stall of the host outside the framework's work (another tenant, the hypervisor) costs the
+  run one piece instead of shifting its mean;
+- a full gc.collect() before each window, outside the clock: a gen-2 collection is owed every
+  so many surviving objects, and the runs before leave them (a model, a trainer); unsorted, it
+  fell in one run or another (on CPU: 160 ms inside one 1.2 s window, +14% for that run). The
+  collections the steps themselves cause still run, inside the clock, and are counted (table);
+- the threads pinned (Pinning.choose(); --no-pin to leave them): the training thread alone on
+  one core, every other thread (CUDA's, the autograd engine's device thread, syncless's
+  delivery thread) on three others, re-applied at each window's start, so that no run pays for
+  a migration or a shared core that the other did not.
+--small-rounds gives the small models more rounds.
 """
 from __future__ import annotations
 
