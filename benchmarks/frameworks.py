@@ -174,8 +174,9 @@ class Pinning:
     creator's cores, so apply() runs at each window's start, after the run made its threads;
     it changes nothing the framework computes."""
 
-    def __init__(self, main: set, others: set):
+    def __init__(self, main: set, others: set, allowed: set | None = None):
         self.main, self.others = set(main), set(others)
+        self.allowed = set(allowed) if allowed else self.main | self.others
 
     @classmethod
     def choose(cls) -> "Pinning | None":
@@ -187,7 +188,17 @@ class Pinning:
             return None
         if len(cores) < 5:
             return None
-        return cls({cores[1]}, set(cores[2:5]))
+        return cls({cores[1]}, set(cores[2:5]), set(cores))
+
+    @contextlib.contextmanager
+    def released(self):
+        """The calling thread on every core it had before pinning, inside the block: a child
+        process started there inherits that, not the training thread's single core."""
+        os.sched_setaffinity(0, self.allowed)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, self.main)
 
     def apply(self) -> None:
         me = threading.get_native_id()
@@ -440,7 +451,9 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
                                                                             values["syncless"]),
                                          "native_vs_native": max_rel_diff(values["native"], again)}
                     if not c["native_reproducible"] and deterministic_check and cuda:
-                        c["deterministic"] = _deterministic_values(fw, model_name, cname, quick)
+                        with pin.released() if pin else contextlib.nullcontext():
+                            c["deterministic"] = _deterministic_values(fw, model_name, cname,
+                                                                       quick)
                 n_values = len(_cells(values["native"]))
                 c["identical"] = same
                 c["values_compared"] = n_values
