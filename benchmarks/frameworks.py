@@ -33,20 +33,20 @@ nondeterminism.
 Step time: interleaved rounds (a shuffled order each round) of native and syncless runs; the
 table gives the median ms/step and the median of the per-round ratios syncless/native with its
 95% confidence interval (6 rounds at least), and the training thread's CPU time per step beside
-it. The small models' step is the host's work (about 200 kernels of a few µs, the GPU busy under
-a tenth of it), so they are timed with more care, the same for both variants:
-- a timed run's window is 300 steps after 30 of warm-up, cut into 6 pieces of 50 steps, each
-  between two device synchronizes; the run's ms/step is the median of its pieces, so that a
-  stall of the host outside the framework's work (another tenant, the hypervisor) costs the
-  run one piece instead of shifting its mean;
-- a full gc.collect() before each window, outside the clock: a gen-2 collection is owed every
-  so many surviving objects, and the runs before leave them (a model, a trainer); unsorted, it
-  fell in one run or another (on CPU: 160 ms inside one 1.2 s window, +14% for that run). The
-  collections the steps themselves cause still run, inside the clock, and are counted (table);
+it. Every timed run, native and syncless alike:
+- a full gc.collect() before its window, outside the clock: a gen-2 collection is owed every
+  so many surviving objects, and the runs before leave them (a model, a trainer); left alone,
+  it fell in one run or another (on CPU: 160 ms inside one 1.2 s window, +14% for that run).
+  The collections the steps themselves cause still run, inside the clock, and are counted;
 - the threads pinned (Pinning.choose(); --no-pin to leave them): the training thread alone on
   one core, every other thread (CUDA's, the autograd engine's device thread, syncless's
   delivery thread) on three others, re-applied at each window's start, so that no run pays for
   a migration or a shared core that the other did not.
+The small models' step is the host's work (about 200 kernels of a few µs, the GPU busy under a
+tenth of it), the noisiest: their window is 300 steps after 30 of warm-up, cut into 6 pieces of
+50 steps, each between two device synchronizes, and a run's ms/step is the median of its
+pieces, so that a stall of the host outside the framework's work (another tenant, the
+hypervisor) costs the run one piece instead of shifting its mean.
 --small-rounds gives the small models more rounds.
 """
 from __future__ import annotations
@@ -462,6 +462,7 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
 
             cpu_ms: dict = {"native": [], "syncless": []}
             pieces_ms: dict = {"native": [], "syncless": []}
+            window_ms: dict = {"native": [], "syncless": []}
             gc_seen: dict = {"native": [], "syncless": []}
             t_total, t_start, t_stop, n_pieces = _timed_steps(quick, model_name)
 
@@ -474,6 +475,7 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
                     # A run's number: the median of its pieces (one piece: the window).
                     cpu_ms[variant].append(statistics.median(win.piece_cpu_ms))
                     pieces_ms[variant].append(win.piece_ms)
+                    window_ms[variant].append(win.seconds / win.steps * 1e3)
                     gc_seen[variant].append(win.gc)
                     return statistics.median(win.piece_ms)
                 return go
@@ -488,6 +490,9 @@ def run(device: str, quick: bool, rounds: int, results: dict, save, only: set | 
             section["ms_per_step"] = {k: summarize(v) for k, v in times.items()}
             section["raw_ms"] = times
             section["raw_piece_ms"] = pieces_ms
+            section["raw_window_ms"] = window_ms      # the whole window's mean, stalls and all
+            section["window_ratio"] = summarize(paired_ratios(window_ms, "syncless", "native"))
+            section["window_ratio_ci"] = median_ci(paired_ratios(window_ms, "syncless", "native"))
             section["gc_in_window"] = gc_seen
             # The training thread's CPU time per step: the host's work, sync waits included
             # (CUDA spins while it waits), time the thread did not run excluded.
@@ -626,11 +631,13 @@ def markdown(results: dict, env: dict) -> str:
                ("native", "syncless")}
         rows.append([s["framework"], s["model"], t["steps"], f"{t['window'][0]}-{t['window'][1]}",
                      t["pieces"], f"{gcs['native']} / {gcs['syncless']}",
-                     f"{num(gms['native'])} / {num(gms['syncless'])}"])
+                     f"{num(gms['native'])} / {num(gms['syncless'])}",
+                     f"{pct(s['window_ratio']['median'])} {pct_ci(s['window_ratio_ci'])}"])
     if rows:
         lines.append(md_table(["framework", "model", "steps per run", "timed steps", "pieces",
                                "gen-2 collections in windows (native / syncless)",
-                               "most GC ms in one window"], rows))
+                               "most GC ms in one window",
+                               "syncless vs native, whole windows' mean, 95% CI"], rows))
     kept: dict = {}
     for s in results["sections"]:
         if s.get("kept_from"):
