@@ -269,9 +269,10 @@ class Lockstep:
     The baton: the thread whose turn it is runs its steps; the other waits on a condition (its
     GIL released). Each turn lies between two device synchronizes and is timed (wall and the
     thread's CPU time); the GPU is idle when a turn starts, so no run pays for the other's
-    kernels. The second run's setup starts once the first reached its first step (two Trainers'
-    setups at once would race for accelerate's process state); warm-up steps before `start` run
-    concurrently and are not timed; both wait for each other at `start` (a gc.collect() and the
+    kernels. The second run's setup starts once the first reached its first step, where the
+    first waits until the second got there too (setting up a Trainer resets accelerate's process
+    state, which a stepping Trainer reads); warm-up steps before `start` run concurrently and
+    are not timed; both wait for each other at `start` (a gc.collect() and the
     pinning there) and after `stop`, so that neither's setup or teardown overlaps a timed turn.
     Syncless's delivery thread may run during a native turn (it competes for the GIL then): its
     CPU time in the window is measured and reported beside, and added to syncless's time in
@@ -281,7 +282,7 @@ class Lockstep:
     ORDER = ("native", "syncless")
 
     def __init__(self, start: int, stop: int, slice_steps: int, cuda: bool,
-                 first: str = "native", pin: "Pinning | None" = None, timeout: float = 240.0):
+                 first: str = "native", pin: "Pinning | None" = None, timeout: float = 120.0):
         self.start, self.stop, self.cuda, self.pin = start, stop, cuda, pin
         self.bounds = list(range(start, stop + 1, slice_steps)) + [stop + 1]
         self.cond = threading.Condition()
@@ -347,7 +348,13 @@ class Lockstep:
 
     def begin(self, variant: str, i: int) -> None:
         if i == 0:
+            # The first run waits here until the second's setup is done: setting up a Trainer
+            # resets accelerate's shared state (TrainingArguments._setup_devices), which a
+            # Trainer that is stepping meanwhile reads.
             self.ready[variant].set()
+            with self.cond:
+                self.cond.notify_all()
+                self._wait(lambda: all(e.is_set() for e in self.ready.values()))
         if i not in self.bounds[:-1]:
             return
         k = self.bounds.index(i)
@@ -930,12 +937,17 @@ def markdown(results: dict, env: dict) -> str:
                      f"{pct_ci(s['conservative_ratio_ci'])} (delivery thread "
                      f"{num(us * 1e3 if us is not None else None)} µs/step added)")
         else:
-            how = f"separate runs, {t['pieces']} pieces"
+            how = ("separate runs, one window" if t["pieces"] == 1 else
+                   f"separate runs, {t['pieces']} pieces")
             check = (f"{pct(s['window_ratio']['median'])} {pct_ci(s['window_ratio_ci'])} "
                      "(whole windows' mean)")
         rows.append([s["framework"], s["model"], how, f"{t['window'][0]}-{t['window'][1]}",
                      f"{gcs['native']} / {gcs['syncless']}",
                      f"{num(gms['native'])} / {num(gms['syncless'])}", check])
+    for s in results["sections"]:
+        if s.get("lockstep_errors"):
+            lines += [f"{s['framework']} {s['model']}: no lockstep round finished "
+                      f"({s['lockstep_errors'][0][:160]}); timed by separate runs instead.", ""]
     if rows:
         lines.append(md_table(["framework", "model", "timing", "timed steps",
                                "gen-2 collections in windows (native / syncless)",
