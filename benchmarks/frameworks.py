@@ -918,9 +918,9 @@ def markdown(results: dict, env: dict) -> str:
                   f"pinned: {env.get('pinning') or 'no'}. Small models: lockstep rounds, the "
                   "native and the syncless run at once in two threads taking turns of a few "
                   "steps, each turn between two device synchronizes (so both see the host in the "
-                  "same state); a round's ms/step is each run's mean over its turns. GPU-bound "
-                  "models: separate runs, the window cut into pieces between synchronizes, a "
-                  "run's ms/step the median of its pieces.", ""]
+                  "same state); a round's ms/step is each run's mean over its turns. Otherwise "
+                  "(GPU-bound models): separate interleaved runs, a run's ms/step the median of "
+                  "its window's pieces, each between synchronizes (one piece: the window).", ""]
     rows = []
     for s in results["sections"]:
         t = s.get("timing")
