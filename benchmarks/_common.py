@@ -178,6 +178,45 @@ def syncs_per_call(fn: Callable[[], Any], calls: int) -> float:
     return sum("synchronizing cuda operation" in str(w.message).lower() for w in seen) / calls
 
 
+class SyncCount:
+    """The host-device syncs torch's sync-debug mode reports between start() and stop(), and
+    where they come from: `count`, and `sites` ("file:line" -> count, the file as `short` names
+    it). start() and stop() go in a framework's hooks (a training step's first and last), which
+    is why this is a pair of calls and not a context manager; stop() without start() does
+    nothing. The tests' sync-counting callbacks and benchmarks/frameworks.py share it."""
+
+    def __init__(self, short: Callable[[str], str] = os.path.basename):
+        self.short = short
+        self.count = 0
+        self.sites: dict[str, int] = {}
+        self._ctx: Any = None
+        self._seen: list = []
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None
+
+    def start(self) -> None:
+        self._ctx = warnings.catch_warnings(record=True)
+        self._seen = self._ctx.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if self._ctx is None:
+            return
+        torch.cuda.set_sync_debug_mode(0)
+        self._ctx.__exit__(None, None, None)
+        self._ctx = None
+        for w in self._seen:
+            # Only the sync text: the mode's own "prototype feature" notice is not a sync.
+            if "synchroniz" in str(w.message):
+                self.count += 1
+                key = f"{self.short(w.filename)}:{w.lineno}"
+                self.sites[key] = self.sites.get(key, 0) + 1
+        self._seen = []
+
+
 def _nvidia_smi(field_: str) -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={field_}", "--format=csv,noheader"],

@@ -14,6 +14,7 @@ from transformers import (EarlyStoppingCallback, Trainer, TrainerCallback,  # no
                           TrainingArguments)
 
 import syncless  # noqa: E402
+from benchmarks._common import SyncCount  # noqa: E402
 from syncless.hf import SynclessTrainer  # noqa: E402
 
 VOCAB = 32
@@ -242,28 +243,16 @@ class SyncCounter(TrainerCallback):
 
     def __init__(self, start, stop):
         self.start, self.stop = start, stop
-        self.count = 0
-        self.sites = {}
-        self._ctx = None
+        self.syncs = SyncCount()
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == self.start:
-            self._ctx = warnings.catch_warnings(record=True)
-            self._log = self._ctx.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            self.syncs.start()
 
     def on_step_end(self, args, state, control, **kw):
         # global_step already counts the step that just ended: step `stop` ends at stop + 1.
-        if state.global_step == self.stop + 1 and self._ctx is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-            for w in self._log:
-                if "synchroniz" in str(w.message):
-                    self.count += 1
-                    key = f"{os.path.basename(w.filename)}:{w.lineno}"
-                    self.sites[key] = self.sites.get(key, 0) + 1
+        if state.global_step == self.stop + 1:
+            self.syncs.stop()
 
 
 class CudaData(Data):
@@ -294,7 +283,7 @@ def test_cuda_zero_syncs_per_step(tmp_path, kw):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
-        counts[cls.__name__] = (counter.count, counter.sites)
+        counts[cls.__name__] = (counter.syncs.count, counter.syncs.sites)
     # Native: the filter's two reads per step (measured on the H200: 78 in 39 steps).
     assert counts["Trainer"][0] >= 40 * 2, counts
     assert counts["SynclessTrainer"][0] == 0, counts

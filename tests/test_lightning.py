@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import syncless  # noqa: E402
+from benchmarks._common import SyncCount  # noqa: E402
 from syncless.lightning import SynclessLogging  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -326,27 +327,15 @@ class SyncCounter(Callback):
 
     def __init__(self, start, stop):
         self.start, self.stop = start, stop
-        self.count = 0
-        self.sites = {}
-        self._ctx = None
+        self.syncs = SyncCount()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.start:
-            self._ctx = warnings.catch_warnings(record=True)
-            self._log = self._ctx.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            self.syncs.start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.stop and self._ctx is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-            for w in self._log:
-                if "synchroniz" in str(w.message):
-                    self.count += 1
-                    key = f"{os.path.basename(w.filename)}:{w.lineno}"
-                    self.sites[key] = self.sites.get(key, 0) + 1
+        if batch_idx == self.stop:
+            self.syncs.stop()
 
 
 @pytest.mark.cuda
@@ -366,6 +355,6 @@ def test_cuda_zero_syncs_per_step(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(Model(), DataLoader(TensorDataset(x, y), batch_size=8))
-        counts[fast] = (counter.count, counter.sites)
+        counts[fast] = (counter.syncs.count, counter.syncs.sites)
     assert counts[False][0] >= 40 * 2, counts        # native: at least the 2 prog_bar reads
     assert counts[True][0] == 0, counts
