@@ -19,11 +19,14 @@ variants of the compiled forward, each with its own model copy and Logger:
                    delivery. A diagnostic, not a way to use the logger
   graph break      the same log() wrapped in torch.compiler.disable: what a graph break
                    amounts to (the graph splits around an eager log() call, as before the op)
-Interleaved rounds: each round runs a block of FLUSH_EVERY steps of every variant in a shuffled
-order, synchronising before and after a block, with the garbage collector off inside blocks
-(collected between them: a collection landing in one variant's block is noise, not its cost).
-A block is one flush period, so every block of a logging variant carries exactly one flush and
-its delivery. Medians over rounds, and per-round ratios to "no log" and to "metrics returned"
+Interleaved rounds: each round runs one flush period (FLUSH_EVERY steps) of every variant, cut
+into --turns turns (default 4) that the variants take in turn (a shuffled order, reversed every
+other turn), synchronising before and after each turn, with the garbage collector off inside a
+round (collected between them: a collection landing in one variant's steps is noise, not its
+cost). The H200's host switches between two speeds about every second; turns of a quarter
+period put every variant under both alike, where a whole period per variant (--turns 1) let
+one variant's block fall on the fast speed and another's on the slow. Every round of a logging
+variant carries exactly one flush (mid-period) and its delivery. Medians over rounds, and per-round ratios to "no log" and to "metrics returned"
 with the 95% confidence interval of their median. Per variant also the training thread's CPU
 time per step and, for the loggers, the delivery thread's CPU time per row (it shares the GIL
 with the training thread). The host log() calls of a variant (Logger.stats.steps) show whether
@@ -172,28 +175,48 @@ class Variant:
             return 0.0
 
 
-def block(variant, batches, sync):
-    """µs per step (wall) and the training thread's CPU µs per step, over one block."""
+def block(variant, batches, sync, flush=True, last=True):
+    """Seconds (wall) and the training thread's CPU seconds over one turn of steps, between two
+    synchronizes; `flush`: the logging variants flush mid-turn; `last`: the flush period ends
+    here (the variant delivered apart delivers, after the clock)."""
     mid = len(batches) // 2
+    sync()
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    loss = None
+    for i, (x, y) in enumerate(batches):
+        loss = variant.step(x, y, flush=flush and i == mid)
+    sync()
+    t1 = time.perf_counter()
+    c1 = time.thread_time()
+    variant.last_loss = float(loss.detach())   # now: a later replay may overwrite the output
+    if last and variant.name == DELIVERED_APART:
+        variant.log.flush()                              # after the clock: delivered apart
+    return t1 - t0, c1 - c0
+
+
+def period(variants, order, batches, sync, turns):
+    """One flush period of every variant (FLUSH_EVERY steps each), interleaved in `turns` turns
+    so that a change of the host's speed (the H200's host switches between two speeds about
+    every second) falls on every variant alike: µs per step and CPU µs per step per variant.
+    The garbage collector is collected before and off inside a period."""
+    n = len(batches)
+    cut = [n * k // turns for k in range(turns + 1)]
+    wall = dict.fromkeys(order, 0.0)
+    cpu = dict.fromkeys(order, 0.0)
     gc.collect()
     gc.disable()
     try:
-        sync()
-        c0 = time.thread_time()
-        t0 = time.perf_counter()
-        loss = None
-        for i, (x, y) in enumerate(batches):
-            loss = variant.step(x, y, flush=i == mid)
-        sync()
-        t1 = time.perf_counter()
-        c1 = time.thread_time()
+        for k in range(turns):
+            for name in (order if k % 2 == 0 else order[::-1]):
+                w, c = block(variants[name], batches[cut[k]:cut[k + 1]], sync,
+                             flush=k == turns // 2, last=k == turns - 1)
+                wall[name] += w
+                cpu[name] += c
     finally:
         gc.enable()
-    variant.last_loss = float(loss.detach())
-    if variant.name == DELIVERED_APART:
-        variant.log.flush()                              # after the clock: delivered apart
-    n = len(batches)
-    return (t1 - t0) / n * 1e6, (c1 - c0) / n * 1e6
+    return ({name: t / n * 1e6 for name, t in wall.items()},
+            {name: t / n * 1e6 for name, t in cpu.items()})
 
 
 def tree_state(device):
@@ -216,8 +239,9 @@ def tree_state(device):
             "checkpoints": getattr(manager, "debug_checkpointing_counter", None)}
 
 
-def section(kind, base, batches, device, mode, rounds, sync, train):
-    """One interleaved comparison of the variants."""
+def section(kind, base, batches, device, mode, rounds, sync, train, turns):
+    """One interleaved comparison of the variants: a round is one flush period of each, in
+    `turns` interleaved turns."""
     from torch._dynamo.utils import counters
     names = NAMES
     with torch.set_grad_enabled(train):
@@ -241,10 +265,10 @@ def section(kind, base, batches, device, mode, rounds, sync, train):
     for r in range(rounds):
         order = names[:]
         rng.shuffle(order)
-        for name in order:
-            wall, cpu = block(variants[name], batches, sync)
-            per_step[name].append(wall)
-            cpu_step[name].append(cpu)
+        wall, cpu = period(variants, order, batches, sync, turns)
+        for name in names:
+            per_step[name].append(wall[name])
+            cpu_step[name].append(cpu[name])
         if r == 0 or (r + 1) % 10 == 0:
             print(f"  [{kind}] round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
@@ -418,6 +442,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=None, help="rounds of every section")
     p.add_argument("--sections", default="infer,train,train-gpu-bound,train-default",
                    help="comma-separated: " + ", ".join(SECTIONS))
+    p.add_argument("--turns", type=int, default=4,
+                   help="turns a round's flush period of each variant is split into, interleaved "
+                        "(default 4; 1: a block of the whole period per variant)")
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
                    help="directory for compile_step.json/.md (default benchmarks/results); "
                         "rewritten after every section")
@@ -452,9 +479,9 @@ def main(argv=None):
                     torch.randint(0, 10, (batch,), generator=gen).to(device))
                    for _ in range(steps)]
         res = section(kind, base, batches, device, None if kind in DEFAULT_MODE else mode,
-                      rounds, sync, train)
+                      rounds, sync, train, max(1, min(args.turns, steps)))
         res["config"] = {"width": width, "depth": depth, "batch": batch, "rounds": rounds,
-                         "steps_per_block": steps}
+                         "steps_per_block": steps, "turns": max(1, min(args.turns, steps))}
         sections[kind] = res
         torch._dynamo.reset()
         tables[kind] = section_table(res, cuda)
