@@ -514,10 +514,10 @@ def _tb_rank_worker(rank, world, tmp):
 def test_tensorboard_writer_on_every_rank_writes_its_own(tmp_path):
     """Under torch.distributed each rank's writer is its own: rank 1 writes too (the private
     logger must not keep its sinks to rank 0)."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_tb_rank_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    from _gloo import spawn_ranks
+    out = spawn_ranks(_tb_rank_worker, tmp_path)
     for rank in (0, 1):
-        assert strip_time(read_tb(tmp_path / f"rank{rank}")) == {
+        assert strip_time(read_tb(out / f"rank{rank}")) == {
             (".", "loss"): [(i, VALUES[i] + rank) for i in range(5)]}
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import syncless
+from _gloo import spawn_ranks
 
 STEPS = 23
 
@@ -39,9 +40,9 @@ def _gloo_worker(rank, world, tmp):
 
 
 def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(tmp_path):
-    mp.start_processes(_gloo_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
-    assert (tmp_path / "rank1.jsonl").read_text() == ""   # sinks run on rank 0 only
-    rows = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    out = spawn_ranks(_gloo_worker, tmp_path)
+    assert (out / "rank1.jsonl").read_text() == ""        # sinks run on rank 0 only
+    rows = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     for step, r in enumerate(rows):
         loss = step if step % 4 == 0 else (step + (step + 10.0)) / 2
@@ -72,9 +73,9 @@ def _mismatch_worker(rank, world, tmp):
 
 
 def test_a_rank_with_other_metric_names_gets_a_clear_error_not_a_hang(tmp_path):
-    mp.start_processes(_mismatch_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    out = spawn_ranks(_mismatch_worker, tmp_path)
     for rank in (0, 1):
-        text = (tmp_path / f"err{rank}.txt").read_text()
+        text = (out / f"err{rank}.txt").read_text()
         assert "every rank must log the same metric names" in text, text
         assert "extra" in text
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import syncless
+from _gloo import TRIES, ranks_or_flake
 
 ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONWARNINGS="ignore")
 
@@ -458,8 +459,14 @@ def _fsdp(children):
     return outs
 
 
-def test_fsdp2_two_gloo_ranks_log_clip_grad_norm_exactly(cpu_children):
-    outs = _fsdp(cpu_children["fsdp"])
+def test_fsdp2_two_gloo_ranks_log_clip_grad_norm_exactly(cpu_children, tmp_path):
+    children = cpu_children["fsdp"]
+    for attempt in range(1, TRIES):
+        if ranks_or_flake(children) is not None:
+            break
+        store = str(tmp_path / f"store{attempt}")       # gloo's own set-up failed: again
+        children = [Child(FSDP_CHILD, "cpu", str(rank), "2", store) for rank in range(2)]
+    outs = _fsdp(children)
     assert outs[0]["placements"] == ["DTensor[Replicate()]"]       # torch 2.13
     # a replicated norm: the same value on both ranks
     assert [r["grad_norm"] for r in outs[0]["ref"]] == [r["grad_norm"] for r in outs[1]["ref"]]
