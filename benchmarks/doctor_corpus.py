@@ -140,8 +140,22 @@ def measure(name: str, applied: str, device: str, timeout: float, work: str,
         row["twin_verdict"] = d2["verdict"]
         # Measured the way the step before was: the doctor's monitor phase, drained wall/steps.
         row["measured_ms"] = d2["step_ms"]
-        row["false_alarms"] = [f"{f['title']} ({f['wins_ms']:.3f} ms)" for f in d2["findings"]]
+        before = {identity(f) for f in d["findings"]}
+        row["false_alarms"] = [f"{f['title']} ({f['wins_ms']:.3f} ms"
+                               + ("; named before the fix, not applied" if identity(f) in before
+                                  and identity(f) not in {identity(x) for x in fixes} else "")
+                               + ")" for f in d2["findings"]]
     return row
+
+
+def identity(f: dict) -> tuple:
+    """What makes two findings the same across a script and its twin (whose lines differ): the
+    setting of a framework's syncs, the code of a sync, else the kind."""
+    if f["kind"] == "framework":
+        return (f["kind"], f.get("setting"))
+    if f["kind"] == "sync":
+        return (f["kind"], f["detail"].split("`")[1] if "`" in f["detail"] else f["where"])
+    return (f["kind"],)
 
 
 def judge(row: dict, expected: str, device: str) -> None:

@@ -171,6 +171,50 @@ def test_syncs_share_what_removing_them_wins_by_their_blocked_time():
     assert d.finding("starvation") in d.minor
 
 
+def test_with_the_host_well_ahead_each_sync_of_the_step_wins_its_share_of_the_gpu_idle():
+    # hf_trainer on the H200, 48 sequences: 54.60 ms steps with 48.71 ms of kernels; the host's
+    # own work 18.73 ms. Five syncs a step: the NaN filter's two block 30 ms (the first to find
+    # the queue full), the batch copy's two and the mask check's one almost nothing. The trace
+    # saw 3.90 ms of GPU idle right after them, but the twin without the filter and the blocking
+    # copy (4 of the 5) measured 49.29 ms: a gain of 5.31 ms, where the blocked-share rule had
+    # promised 3.89 for the filter and 0.008 for the copy.
+    nan = item_site()._replace(code="torch.isnan(loss) or torch.isinf(loss)")
+    copy = nan._replace(line=nan.line + 1, code="batch = batch.to(device)")
+    mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
+    a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, 15_000_000, 2),
+                     (copy, "cudaStreamSynchronize", SYNC, 11_000, 2),
+                     (mask, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=441)
+    trace = KernelTime(48.71, 1.142, 5.0, 31.37, 3.903, queued_gap_ms=0.0095,
+                       launch_wait_ms=5.32, queued_ops=0.919)
+    d = assess(summary(54.60, 0.62, 53.91), a, 5, 54.60, True, 54.55, None, 0,
+               kernel_time=trace, launch_us=8.7)
+    assert d.host_leads and d.sync_ms == pytest.approx(31.37)
+    assert d.sync_cost_ms == pytest.approx(54.60 - 48.71), "the whole GPU idle, not 3.90"
+    wins = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
+    assert wins[nan.where] == pytest.approx(5.89 * 2 / 5) == wins[copy.where]
+    assert wins[mask.where] == pytest.approx(5.89 / 5)
+    assert {f.kind for f in d.minor} == {"starvation"}
+    after = 54.60 - wins[nan.where] - wins[copy.where]
+    assert after == pytest.approx(49.89, abs=0.005), "the twin measured 49.29"
+    assert "each of the 5 syncs/step costs about 1/5 of that" in d.report()
+
+
+def test_with_the_host_near_the_gpu_s_pace_the_syncs_share_by_what_they_block():
+    # The same Trainer at 16 sequences (H200): 17.41 ms of kernels, the host's own work 13.9 ms
+    # by the step less its blocked time, an upper bound of what it takes without them (it ran
+    # ~17 ms there in a profile): not clearly ahead, so the syncs share the idle the trace saw
+    # them cause by what they block, and the ones that find the queue empty win nothing.
+    nan = item_site()._replace(code="torch.isnan(loss) or torch.isinf(loss)")
+    mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
+    a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, 4_000_000, 2),
+                     (mask, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=466)
+    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 3.0, 8.17, 3.405), launch_us=10.9)
+    assert not d.host_leads and d.sync_cost_ms == pytest.approx(3.405)
+    wins = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
+    assert wins[mask.where] < 0.01 and wins[nan.where] == pytest.approx(3.405, rel=0.01)
+
+
 def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
     a = cupti_audit([], kernels_per_step=300)
     d = assess(summary(17.0, 0.25, 14.0), a, 2, 17.0, True, 16.9, 16.6, 3,

@@ -35,7 +35,8 @@ from ._boundary import Boundaries
 from ._loader import timed_dataloaders
 from ._sampler import StackSampler
 from .audit import ASYNC_COPY, Audit
-from .findings import Finding, is_minor, launch_finding, starvation_finding, sync_findings
+from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
+                       sync_findings)
 from .monitor import MonitorSummary, StepMonitor
 from .report import render_doctor
 
@@ -61,6 +62,7 @@ class Diagnosis:
     sync_ms_source: str = ""           # "kernel trace" | "audit"
     host_ms: float | None = None       # the step less the time blocked in syncs
     sync_cost_ms: float = 0.0          # what removing every sync wins back per step
+    host_leads: bool = False           # without its syncs the host is well ahead of the GPU
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
     cpu_split: dict = field(default_factory=dict)
@@ -104,6 +106,7 @@ class Diagnosis:
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
             "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,
+            "host_leads": self.host_leads,
             "gpu_work_ms": self.gpu_work_ms,
             "gpu_work_source": self.gpu_work_source, "gpu_span_ms": self.gpu_busy_ms,
             "gpu_probe_ms": self.gpu_pure_ms, "gpu_trace_ms": self.gpu_trace_ms,
@@ -518,10 +521,13 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     # costs the rest: at most the time it blocks (the host still does its own work), at most the
     # GPU idle of the step, and at most the GPU idle the trace sees it cause (from its return
     # until the host leads the GPU again).
+    # With the host's own work well under the GPU's and a sync every step, the step's GPU idle
+    # is the syncs' (findings.py says why the trace's sync idle does not bound it then).
     host_ms = max(0.0, step - d.sync_ms)
     d.host_ms = host_ms
     sync_cost = min(d.sync_ms, max(0.0, step - (G or 0.0)))
-    if kernel_time is not None:
+    d.host_leads = bool(gpu and G and every_step and syncs_matter and host_ms <= LEADS * G)
+    if kernel_time is not None and not d.host_leads:
         caused = kernel_time.sync_idle_ms if kernel_time.sync_idle_ms is not None else \
             kernel_time.sync_bubble_ms
         if caused is not None:
@@ -551,7 +557,8 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
         findings.append(f)
     enqueue_ms = max(0.0, body - blocked_in_body)
     findings += sync_findings(audit, step, G, sync_cost,
-                              sampler.counts if sampler is not None and sampler.total else None)
+                              sampler.counts if sampler is not None and sampler.total else None,
+                              by_count=d.host_leads)
     optimizers = list(audit.optimizers)
     model_settings, speedups, compiled = _model_info(model, autocast)
     # A CUDA graph replays the kernels with less time between them than stream launches leave

@@ -113,6 +113,10 @@ def render_doctor(d: Any) -> str:
                      f"work takes {d.host_ms:.2f} ms, so without them the step could take "
                      f"max({d.host_ms:.2f}, {d.gpu_work_ms:.2f}) = {floor:.2f} ms: they cost "
                      f"{d.sync_cost_ms:.3f} ms/step")
+        if d.host_leads and d.sync_count and d.sync_count > 1:
+            lines.append(f"  the host is ahead of the GPU without them, and each sync empties "
+                         f"its queue: each of the {d.sync_count:g} syncs/step costs about 1/"
+                         f"{d.sync_count:g} of that, whichever blocks, and their fixes add up")
     if d.lines:
         lines.append("")
         lines.append(f"host time by line (sampled, {d.samples} samples):")
