@@ -192,6 +192,37 @@ def test_new_names_steps_and_eager_logging_do_not_recompile():
     assert got == want
 
 
+def test_a_changing_learning_rate_passed_as_a_tensor_compiles_once_and_logs_exactly():
+    """The README's advice for a number that changes every step (a scheduler's lr): passed in as
+    a tensor it is a graph input, so 12 values give one graph, each row exact. As a float it is
+    a constant of the op: one graph per value (the README says so)."""
+    sink = Collect()
+    log = syncless.Logger(every=4, sinks=sink)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
+
+    @torch.compile(fullgraph=True)
+    def step(x, lr):
+        loss = model(x).square().mean()
+        log(loss=loss, lr=lr)
+        return loss
+
+    counters.clear()
+    want = []
+    for i in range(12):
+        lr = sched.get_last_lr()[0]
+        loss = step(torch.full((2, 3), i / 10), torch.tensor(lr, dtype=torch.float64))
+        want.append((i, {"loss": loss.item(), "lr": lr}))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert graphs() == 1
+    log.close()
+    assert [(r.step, r.values) for r in sink.rows] == want
+
+
 def test_bad_value_inside_compiled_code_is_a_clear_error_and_loses_nothing():
     sink = Collect()
     log = syncless.Logger(sinks=sink)

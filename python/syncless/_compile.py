@@ -12,9 +12,11 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   (steps, columns), so new values and metrics logged elsewhere never recompile; a new metric
   name inside the compiled region needs no eager call first: it gets its column when the op
   first runs. Dynamo's own rules still apply to what the user passes: an explicit step= int is
-  specialised at the first trace and made dynamic at the second value (one recompile), and a
-  Python number that changes (a scheduler's lr) is a guarded constant that recompiles when it
-  changes: log it outside the compiled function, or as a tensor.
+  specialised at the first trace and made dynamic at the second value (one recompile). A
+  Python number that changes (a scheduler's lr passed in as a float) is a guarded constant of
+  the op, so every new value recompiles, up to Dynamo's recompile_limit, after which the
+  function runs uncompiled (Dynamo alone would make such a float dynamic at its first change,
+  in tensor math): log it outside the compiled function, or pass it in as a tensor.
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
