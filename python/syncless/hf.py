@@ -80,15 +80,16 @@ class _Rows:
 
 class _Record:
     """Host facts of one logging step, kept until its device values arrive."""
-    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "time", "start_time")
+    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "flos", "time", "start_time")
 
     def __init__(self, step: int, steps: int, grad_norm: Any, lr: float, epoch: Any,
-                 start_time: Any):
+                 flos: float, start_time: Any):
         self.step = step
         self.steps = steps                  # optimizer steps in the window
         self.grad_norm = grad_norm          # a host value (DeepSpeed) or None
         self.lr = lr
         self.epoch = epoch
+        self.flos = flos                    # state.total_flos as of the logging step
         self.time = time.time()
         self.start_time = start_time
 
@@ -100,13 +101,39 @@ class SynclessTrainerMixin:
     syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
     syncless_every_step: False skips the per-step Logger (a gather kernel per step);
         `trainer.syncless` is then None and the logging steps are all that is recorded.
+    syncless_log_at_step: True calls `log()` (so `on_log`, `report_to`, `log_history`) at its
+        logging step, as the Trainer does, after one wait for that step's values; False when
+        they arrive (a step or more later); None (default): True when a class of the trainer
+        overrides `log()` (TRL's trainers do), False otherwise.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Trainer's methods do not call super(): a mixin after it in the MRO would never run.
+        mro = cls.__mro__
+        trainer = next((i for i, c in enumerate(mro) if c.__name__ == "Trainer"
+                        and c.__module__.startswith("transformers.")), None)
+        if trainer is not None and trainer < mro.index(SynclessTrainerMixin):
+            raise TypeError(f"{cls.__name__}: SynclessTrainerMixin must come before "
+                            f"{mro[1].__name__} in the bases (class {cls.__name__}("
+                            f"SynclessTrainerMixin, {mro[1].__name__})); after it, it is "
+                            "never called")
 
     def __init__(self, *args: Any, syncless_every: int = 50,
                  syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
-                 **kwargs: Any):
-        if not isinstance(syncless_every, int) or syncless_every < 1:
+                 syncless_log_at_step: bool | None = None, **kwargs: Any):
+        if isinstance(syncless_every, bool) or not isinstance(syncless_every, int) \
+                or syncless_every < 1:
             raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
+        if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
+            raise ValueError(f"syncless_log_at_step must be True, False or None, got "
+                             f"{syncless_log_at_step!r}")
+        if syncless_log_at_step is None:
+            syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
+                                       if c is not SynclessTrainerMixin and not (
+                                           c.__name__ == "Trainer"
+                                           and c.__module__.startswith("transformers.")))
+        self.syncless_log_at_step = syncless_log_at_step
         if hasattr(syncless_sinks, "write"):
             syncless_sinks = [syncless_sinks]
         self.syncless_every = syncless_every
@@ -117,6 +144,7 @@ class SynclessTrainerMixin:
         self.syncless: Logger | None = None
         self._sl_active = False
         self._sl_filter_off = False
+        self._sl_delivering = False
         super().__init__(*args, **kwargs)
 
     # ---- the training run ----------------------------------------------------------------
@@ -232,7 +260,7 @@ class SynclessTrainerMixin:
             return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                     ignore_keys_for_eval, start_time,
                                                     learning_rate=learning_rate, **kwargs)
-        state, control = self.state, self.control
+        state = self.state
         step = state.global_step
         norm = grad_norm
         if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
@@ -253,7 +281,7 @@ class SynclessTrainerMixin:
                 row["num_input_tokens_seen"] = self._sl_tokens
             self.syncless.log(row, step=step)
             self._sl_step_loss = None        # the next micro-batch starts the next step's sum
-        if control.should_log and step > self._globalstep_last_logged:
+        if self.control.should_log and step > self._globalstep_last_logged:
             from transformers.trainer_pt_utils import nested_gather
             values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
             host_norm = None
@@ -267,17 +295,32 @@ class SynclessTrainerMixin:
                 lr = learning_rate if learning_rate is not None else self._get_learning_rate()
             self._sl_records.log(values, step=step)
             tr_loss -= tr_loss
-            self._sl_pending.append(_Record(step, step - self._globalstep_last_logged, host_norm,
-                                            lr, state.epoch, start_time))
+            steps = step - self._globalstep_last_logged
             self._globalstep_last_logged = step
             self.store_flos()
-            control.should_log = False       # what the Trainer's on_log would have done
+            self._sl_pending.append(_Record(step, steps, host_norm, lr, state.epoch,
+                                            state.total_flos, start_time))
+            self.control.should_log = False  # what the Trainer's on_log would have done
+            if self.syncless_log_at_step:
+                self._sl_records.flush()     # log() runs now, as the Trainer's does
         self._sl_drain()
-        if (control.should_evaluate or control.should_save) and self._sl_pending:
+        if (self.control.should_evaluate or self.control.should_save) and self._sl_pending:
             self._sl_drain(wait=True)        # evaluation and checkpoints see every log first
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                 ignore_keys_for_eval, start_time,
                                                 learning_rate=learning_rate, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._sl_active and not self._sl_delivering:
+            # A log() of the user's own (from compute_loss, a callback) or the Trainer's
+            # (evaluation, the end): the logging steps before it go first, and the token
+            # count it reports is read (a wait), as exact as the Trainer's.
+            if self._sl_pending:
+                self._sl_drain(wait=True)
+            if self._sl_tokens is not None:
+                self.state.num_input_tokens_seen = max(self.state.num_input_tokens_seen,
+                                                       int(self._sl_tokens.item()))
+        return super().log(logs, start_time)
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         self._sl_restore_filter()
@@ -315,18 +358,20 @@ class SynclessTrainerMixin:
         logs["learning_rate"] = rec.lr
         self._total_loss_scalar += loss
         state = self.state
-        now = (state.global_step, state.epoch, state.num_input_tokens_seen)
+        now = (state.global_step, state.epoch, state.num_input_tokens_seen, state.total_flos)
         tokens = int(values["tokens"]) if "tokens" in values else None
-        state.global_step, state.epoch = rec.step, rec.epoch
+        state.global_step, state.epoch, state.total_flos = rec.step, rec.epoch, rec.flos
         if tokens is not None:
             state.num_input_tokens_seen = tokens
         start = rec.start_time
         if start is not None:                # speed metrics as of the logging step
             start += time.time() - rec.time
+        self._sl_delivering = True
         try:
             self.log(logs, start)
         finally:
-            state.global_step, state.epoch = now[0], now[1]
+            self._sl_delivering = False
+            state.global_step, state.epoch, state.total_flos = now[0], now[1], now[3]
             state.num_input_tokens_seen = max(now[2], tokens or 0)
 
 
