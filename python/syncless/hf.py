@@ -80,16 +80,18 @@ class _Rows:
 
 class _Record:
     """Host facts of one logging step, kept until its device values arrive."""
-    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "flos", "time", "start_time")
+    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "flos", "tokens", "time",
+                 "start_time")
 
     def __init__(self, step: int, steps: int, grad_norm: Any, lr: float, epoch: Any,
-                 flos: float, start_time: Any):
+                 flos: float, tokens: int, start_time: Any):
         self.step = step
         self.steps = steps                  # optimizer steps in the window
         self.grad_norm = grad_norm          # a host value (DeepSpeed) or None
         self.lr = lr
         self.epoch = epoch
         self.flos = flos                    # state.total_flos as of the logging step
+        self.tokens = tokens                # state.num_input_tokens_seen (host counts)
         self.time = time.time()
         self.start_time = start_time
 
@@ -239,6 +241,11 @@ class SynclessTrainerMixin:
         else:
             count = inputs[main].numel()
         device = self.args.device
+        single = self.accelerator.num_processes == 1
+        if not isinstance(count, torch.Tensor) and single and self._sl_tokens is None:
+            # A host number (numel: "all"): state is exact at every micro-batch, no kernel.
+            self.state.num_input_tokens_seen += int(count)
+            return
         if self._sl_tokens is None:
             self._sl_tokens = torch.full((), self.state.num_input_tokens_seen, dtype=torch.int64,
                                          device=device)
@@ -246,7 +253,7 @@ class SynclessTrainerMixin:
             count = count.to(torch.int64)
         else:
             count = int(count)               # a host number (numel, or a CPU tensor's sum)
-        if self.accelerator.num_processes > 1:
+        if not single:
             if not isinstance(count, torch.Tensor):
                 count = torch.full((), count, dtype=torch.int64, device=device)   # no H2D copy
             count = self.accelerator.gather(count).sum()
@@ -279,6 +286,8 @@ class SynclessTrainerMixin:
                 row["epoch"] = state.epoch
             if self._sl_tokens is not None:
                 row["num_input_tokens_seen"] = self._sl_tokens
+            elif self.args.include_num_input_tokens_seen != "no":
+                row["num_input_tokens_seen"] = state.num_input_tokens_seen
             self.syncless.log(row, step=step)
             self._sl_step_loss = None        # the next micro-batch starts the next step's sum
         if self.control.should_log and step > self._globalstep_last_logged:
@@ -299,7 +308,8 @@ class SynclessTrainerMixin:
             self._globalstep_last_logged = step
             self.store_flos()
             self._sl_pending.append(_Record(step, steps, host_norm, lr, state.epoch,
-                                            state.total_flos, start_time))
+                                            state.total_flos, state.num_input_tokens_seen,
+                                            start_time))
             self.control.should_log = False  # what the Trainer's on_log would have done
             if self.syncless_log_at_step:
                 self._sl_records.flush()     # log() runs now, as the Trainer's does
@@ -359,10 +369,9 @@ class SynclessTrainerMixin:
         self._total_loss_scalar += loss
         state = self.state
         now = (state.global_step, state.epoch, state.num_input_tokens_seen, state.total_flos)
-        tokens = int(values["tokens"]) if "tokens" in values else None
+        tokens = int(values["tokens"]) if "tokens" in values else rec.tokens
         state.global_step, state.epoch, state.total_flos = rec.step, rec.epoch, rec.flos
-        if tokens is not None:
-            state.num_input_tokens_seen = tokens
+        state.num_input_tokens_seen = tokens
         start = rec.start_time
         if start is not None:                # speed metrics as of the logging step
             start += time.time() - rec.time
@@ -372,7 +381,7 @@ class SynclessTrainerMixin:
         finally:
             self._sl_delivering = False
             state.global_step, state.epoch, state.total_flos = now[0], now[1], now[3]
-            state.num_input_tokens_seen = max(now[2], tokens or 0)
+            state.num_input_tokens_seen = max(now[2], tokens)
 
 
 def _trainer_class() -> type:
