@@ -6,6 +6,7 @@ and compares what the user sees: log_history, what on_log received, the TrainOut
 TensorBoard scalars, the best model."""
 import json
 import os
+import subprocess
 import sys
 import warnings
 
@@ -159,7 +160,7 @@ def _pair(tmp_path, native=Trainer, fast=SynclessTrainer, *, callbacks=None, tra
 # ---- the Trainer's arguments, as users set them ------------------------------------------------
 
 @pytest.mark.parametrize("kw", [
-    dict(disable_tqdm=False, logging_steps=500),             # the defaults: tqdm, one log at the end
+    dict(disable_tqdm=False, logging_steps=500),     # the defaults: tqdm, one log at the end
     dict(logging_steps=1, logging_first_step=True, gradient_accumulation_steps=4,
          num_train_epochs=2, model=lambda: gpt2().to(torch.bfloat16)),
     dict(logging_strategy="epoch", num_train_epochs=2, include_num_input_tokens_seen=True,
@@ -229,8 +230,9 @@ class SynclessShiftedLoss(SynclessTrainerMixin, ShiftedLoss):
 
 def _summed_loss(outputs, labels, num_items_in_batch=None):
     logits = outputs.logits[:, :-1]
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
-                                       labels[:, 1:].reshape(-1), reduction="sum") / num_items_in_batch
+    summed = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                         labels[:, 1:].reshape(-1), reduction="sum")
+    return summed / num_items_in_batch
 
 
 def test_compute_loss_override_and_compute_loss_func(tmp_path):
@@ -381,6 +383,42 @@ def test_eval_early_stopping_best_model_and_tensorboard(tmp_path, monkeypatch):
     assert fast[2] == native[2]                                  # TensorBoard scalars
     assert native[3].keys() == fast[3].keys()                    # the best model, loaded back
     assert all(torch.equal(native[3][k], fast[3][k]) for k in native[3])
+
+
+def _wandb_history(run_dir):
+    """The history rows of an offline run's .wandb log, read by wandb's own reader."""
+    path = next(os.path.join(run_dir, f) for f in os.listdir(run_dir) if f.endswith(".wandb"))
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [json.loads(line)["history"] for line in out.splitlines()
+            if json.loads(line).get("type") == "history"]
+    return [{k: v for k, v in row["item"].items()
+             if not k.startswith("_") and not k.endswith(("runtime", "_per_second"))}
+            for row in rows]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:google.protobuf.*",
+                            "ignore::DeprecationWarning:wandb.*",
+                            "ignore::DeprecationWarning:pydantic.*")
+def test_wandb_report_to(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for k, v in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path),
+                     WANDB_CONSOLE="off", WANDB_DISABLE_GIT="true", WANDB_DISABLE_CODE="true",
+                     WANDB_X_DISABLE_STATS="true", WANDB_X_DISABLE_MACHINE_INFO="true").items():
+        monkeypatch.setenv(k, v)
+    histories = []
+    for cls in (Trainer, SynclessTrainer):
+        try:
+            _train(cls, tmp_path / cls.__name__, report_to=["wandb"], run_name=cls.__name__,
+                   include_num_input_tokens_seen="non_padding", logging_steps=1)
+            run_dir = os.path.dirname(wandb.run.dir)
+        finally:
+            wandb.finish()
+        histories.append(_wandb_history(run_dir))
+    native = histories[0]
+    assert [row["train/global_step"] for row in native] == [1, 2, 3, 4, 5, 6, 6]
+    assert native[0]["train/num_input_tokens_seen"] == 28
+    assert histories[1] == native
 
 
 def test_resume_from_checkpoint_and_train_twice(tmp_path):

@@ -17,16 +17,30 @@ What SynclessTrainer changes, keeping the Trainer's loop as it is:
   `tr_loss / (1 + global_step - globalstep_last_logged)` (the running mean of the window) instead
   of its loss; the Trainer's host check is skipped for exactly that micro-batch
   (`args.logging_nan_inf_filter` reads False only between `training_step` returning and
-  `floating_point_ops`, and is the user's value everywhere else: callbacks, saved arguments);
-- tokens are counted into a device counter (the same counts: all tokens, the attention mask's
-  sum, or the non-pad tokens; gathered across processes by the same all-gather);
+  `floating_point_ops`, and is the user's value everywhere else: callbacks, saved arguments).
+  So `training_step` returns the filtered loss: a subclass of SynclessTrainer that reads it sees
+  the window's mean where the loss was NaN/Inf (put the mixin first on your own subclass,
+  `class T(SynclessTrainerMixin, MyTrainer)`, and MyTrainer.training_step sees the raw loss);
+- tokens: a count the host has (`"all"` in one process: the input's numel) goes straight into
+  `state.num_input_tokens_seen`, exact at every micro-batch and without a kernel; a count the
+  device makes (`"non_padding"`: the attention mask's sum or the non-pad tokens; any count in a
+  multi-process run, gathered by the Trainer's all-gather) goes into a device counter;
 - at a logging step the window's loss mean and the grad norm stay on the device and go into a
   syncless Logger; when the row arrives (normally at the next step) the Trainer's own `log()` is
   called with the values the Trainer would have computed (loss = window sum / steps, grad_norm,
   learning_rate, then `log()` adds epoch, num_input_tokens_seen and the speed metrics), with
-  `state.global_step`, `state.epoch` and `state.num_input_tokens_seen` set back to the logging
-  step's for that call: `state.log_history`, every `on_log` callback and every `report_to`
-  integration get the same keys, values and steps as with `Trainer`, a step or so late;
+  `state.global_step`, `state.epoch`, `state.num_input_tokens_seen` and `state.total_flos` set
+  back to the logging step's for that call: `state.log_history`, every `on_log` callback and
+  every `report_to` integration get the same keys, values and steps as with `Trainer`;
+- `syncless_log_at_step=True` waits for each logging step's row at that step (one wait per
+  logging step, none in between) and calls `log()` there, exactly when the Trainer does. It is on
+  by default when a class of the trainer overrides `log()`: TRL's trainers (SFTTrainer,
+  DPOTrainer, GRPOTrainer...) add the metrics they gathered since the last log (and look at
+  `self.model.training` or `self.control`), which must be read at the logging step;
+- a `log()` call of your own (from `compute_loss`, a callback) or the Trainer's (evaluation, the
+  end) first delivers the logging steps before it (a wait, only if one is pending) and reads the
+  device token count (a wait, only if there is one), so `log_history` keeps the Trainer's order
+  and every entry its exact `num_input_tokens_seen`;
 - every optimizer step is also logged to `trainer.syncless`, a public syncless Logger (loss of
   the step, grad_norm, learning_rate, epoch, num_input_tokens_seen): give it sinks with
   `syncless_sinks=[...]` (delivered every `syncless_every` steps); `syncless_every_step=False`
@@ -40,15 +54,22 @@ Still synced, on purpose: before an evaluation or a checkpoint save and at the e
 the trainer waits for the logged steps (one wait), so that `log_history` and `trainer_state.json`
 hold every logging step in order; `_finalize_training` reads the remaining loss once
 (`.item()`, as the Trainer does); in multi-process runs `store_flos` still broadcasts and
-`.item()`s the FLOP count at each logging step. Untouched: the batch's host-to-device copies
+`.item()`s the FLOP count at each logging step; the waits above (`syncless_log_at_step`, a log()
+of your own). Untouched: the batch's host-to-device copies
 (`accelerator_config={"non_blocking": True}` with the default pinned memory makes those
 asynchronous too), a learning rate kept as a tensor (`_get_learning_rate` reads it every step),
 DeepSpeed's grad norm (a float already), evaluation, and XLA (the class does nothing there).
 
-Delivered late: `on_log`/`report_to`/`log_history` by one logging row (the trainer takes rows as
-the GPU finishes them, at the next optimizer steps); `state.num_input_tokens_seen` by up to
-`syncless_every` steps between logging steps (exact at every log, save, evaluation and the
-end). A callback that stops training from `on_log` therefore acts a step or so later.
+Delivered late (unless `syncless_log_at_step`): `log()`, so `on_log`/`report_to`/`log_history`,
+runs when the logging step's row arrives: the trainer takes rows as the GPU finishes them, at
+the next optimizer steps, so at the same step or a later one (on CPU the delivery thread may
+win the race and hand it over at the same step). A callback reading `state.log_history` in
+`on_step_end` sees a row a step or more later; one that stops training (or asks for a save or an
+evaluation) from `on_log` acts at the step where the row arrived, not at the logging step: pass
+`syncless_log_at_step=True` if that step must be the Trainer's. `state.num_input_tokens_seen`
+of a device count lags between logging steps (it holds the last delivered row's count: the
+last logging step, or the last window of `trainer.syncless`); it is exact at every log, save,
+evaluation and the end, and a host count (`"all"`) is never late.
 """
 from __future__ import annotations
 
@@ -96,6 +117,11 @@ class _Record:
         self.start_time = start_time
 
 
+def _is_trainer(cls: type) -> bool:
+    """transformers.Trainer itself (found without importing transformers)."""
+    return cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
+
+
 class SynclessTrainerMixin:
     """Mix into any `transformers.Trainer` subclass, first: `class T(SynclessTrainerMixin, X)`.
 
@@ -113,8 +139,7 @@ class SynclessTrainerMixin:
         super().__init_subclass__(**kwargs)
         # Trainer's methods do not call super(): a mixin after it in the MRO would never run.
         mro = cls.__mro__
-        trainer = next((i for i, c in enumerate(mro) if c.__name__ == "Trainer"
-                        and c.__module__.startswith("transformers.")), None)
+        trainer = next((i for i, c in enumerate(mro) if _is_trainer(c)), None)
         if trainer is not None and trainer < mro.index(SynclessTrainerMixin):
             raise TypeError(f"{cls.__name__}: SynclessTrainerMixin must come before "
                             f"{mro[1].__name__} in the bases (class {cls.__name__}("
@@ -132,9 +157,7 @@ class SynclessTrainerMixin:
                              f"{syncless_log_at_step!r}")
         if syncless_log_at_step is None:
             syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
-                                       if c is not SynclessTrainerMixin and not (
-                                           c.__name__ == "Trainer"
-                                           and c.__module__.startswith("transformers.")))
+                                       if c is not SynclessTrainerMixin and not _is_trainer(c))
         self.syncless_log_at_step = syncless_log_at_step
         if hasattr(syncless_sinks, "write"):
             syncless_sinks = [syncless_sinks]
