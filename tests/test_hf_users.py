@@ -301,6 +301,40 @@ def test_own_log_calls_keep_their_order_and_tokens(tmp_path):
     assert fast.view() == native.view()
 
 
+def _weight_norm_log(trainer, model):
+    """A log of the user's own at each logging step (its on_log resets should_log, so the
+    Trainer's loss log of that step is skipped: what the user sees either way)."""
+    if trainer.control.should_log and trainer.state.global_step > trainer._globalstep_last_logged:
+        norm = sum(p.detach().float().norm() ** 2 for p in model.parameters()) ** 0.5
+        trainer.log({"weight_norm": float(norm)})
+
+
+class LogsInMaybeLog(Trainer):
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kw):
+        _weight_norm_log(self, model)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kw)
+
+
+class SynclessLogsInMaybeLog(SynclessTrainerMixin, LogsInMaybeLog):
+    pass
+
+
+class SubclassLogsInMaybeLog(SynclessTrainer):
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kw):
+        _weight_norm_log(self, model)
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kw)
+
+
+@pytest.mark.parametrize("fast", [SynclessLogsInMaybeLog, SubclassLogsInMaybeLog],
+                         ids=["mixin-first", "subclass"])
+def test_maybe_log_save_evaluate_override_keeps_its_logging(tmp_path, fast):
+    native, run = _pair(tmp_path, LogsInMaybeLog, fast,
+                        include_num_input_tokens_seen="non_padding")
+    assert [sorted(d) for d in native.history()[:1]] == [
+        ["epoch", "num_input_tokens_seen", "step", "weight_norm"]]
+    assert run.view() == native.view()
+
+
 def test_seq2seq_trainer_with_the_mixin(tmp_path):
     from transformers import (DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments,
                               T5Config, T5ForConditionalGeneration)

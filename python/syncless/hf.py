@@ -41,6 +41,9 @@ What SynclessTrainer changes, keeping the Trainer's loop as it is:
   end) first delivers the logging steps before it (a wait, only if one is pending) and reads the
   device token count (a wait, only if there is one), so `log_history` keeps the Trainer's order
   and every entry its exact `num_input_tokens_seen`;
+- a class of yours that overrides `_maybe_log_save_evaluate` (to log in its own way) keeps the
+  Trainer's logging and token count as they are, with their syncs; the filter stays on the
+  device;
 - every optimizer step is also logged to `trainer.syncless`, a public syncless Logger (loss of
   the step, grad_norm, learning_rate, epoch, num_input_tokens_seen): give it sinks with
   `syncless_sinks=[...]` (delivered every `syncless_every` steps); `syncless_every_step=False`
@@ -159,6 +162,11 @@ class SynclessTrainerMixin:
             syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
                                        if c is not SynclessTrainerMixin and not _is_trainer(c))
         self.syncless_log_at_step = syncless_log_at_step
+        # A class of the user's that overrides _maybe_log_save_evaluate logs in its own way:
+        # it keeps the Trainer's logging and token count (and their syncs).
+        self._sl_own_logging = any("_maybe_log_save_evaluate" in vars(c)
+                                   for c in type(self).__mro__
+                                   if c is not SynclessTrainerMixin and not _is_trainer(c))
         if hasattr(syncless_sinks, "write"):
             syncless_sinks = [syncless_sinks]
         self.syncless_every = syncless_every
@@ -251,7 +259,7 @@ class SynclessTrainerMixin:
         self._sl_restore_filter()
         mode = self.args.include_num_input_tokens_seen
         main = getattr(self.model, "main_input_name", "input_ids")
-        if not self._sl_active or mode == "no" or main not in inputs:
+        if not self._sl_active or self._sl_own_logging or mode == "no" or main not in inputs:
             return super()._track_num_input_tokens(inputs)
         if mode == "non_padding":
             pad = getattr(self.processing_class, "pad_token_id", None)
@@ -313,6 +321,10 @@ class SynclessTrainerMixin:
                 row["num_input_tokens_seen"] = state.num_input_tokens_seen
             self.syncless.log(row, step=step)
             self._sl_step_loss = None        # the next micro-batch starts the next step's sum
+        if self._sl_own_logging:
+            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                                    ignore_keys_for_eval, start_time,
+                                                    learning_rate=learning_rate, **kwargs)
         if self.control.should_log and step > self._globalstep_last_logged:
             from transformers.trainer_pt_utils import nested_gather
             values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
