@@ -20,6 +20,7 @@ from transformers import (DataCollatorForLanguageModeling, EarlyStoppingCallback
                           GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer,
                           TrainerCallback, TrainerControl, TrainingArguments)
 
+import syncless  # noqa: E402
 from syncless.hf import SynclessTrainer, SynclessTrainerMixin  # noqa: E402
 
 SPEED = ("_runtime", "_per_second")
@@ -511,13 +512,19 @@ def test_stop_from_on_log(tmp_path):
 
 
 def test_token_budget_and_a_new_control_from_on_log(tmp_path):
+    rows = []
+    sink = syncless.sinks.Callback(lambda step, t, values: rows.append((step, values)))
     native, fast = _pair(tmp_path / "budget", callbacks=lambda: [TokenBudget()],
-                         include_num_input_tokens_seen=True, num_train_epochs=3)
+                         include_num_input_tokens_seen=True, num_train_epochs=3,
+                         fast_kw=dict(syncless_sinks=[sink], syncless_every=3))
     assert native.state.global_step == 4 and native.state.num_input_tokens_seen == 164
     assert fast.view() == native.view()                          # a host count: exact at once
+    assert [(step, v["num_input_tokens_seen"]) for step, v in rows] == [
+        (1, 44), (2, 88), (3, 128), (4, 164)]                    # trainer.syncless, every step
     native, fast = _pair(tmp_path / "control", callbacks=lambda: [NewControl()],
                          eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
-                         eval_data=Texts(8, 1))
+                         eval_data=Texts(8, 1), eval_on_start=True)
+    assert "eval_loss" in native.history()[0] and native.history()[0]["step"] == 0
     assert sorted(os.listdir(tmp_path / "control" / "native")) == ["checkpoint-3", "checkpoint-6"]
     assert fast.view() == native.view()
     assert _text(_checkpoints(tmp_path / "control" / "fast")) == \
