@@ -126,7 +126,8 @@ class Run:
         return _text({"history": self.history(), "on_log": self.seen.logs,
                       "output": [out.global_step, out.training_loss, _strip(out.metrics)],
                       "tokens": self.state.num_input_tokens_seen,
-                      "flos": self.state.total_flos, "step": self.state.global_step})
+                      "flos": self.state.total_flos, "step": self.state.global_step,
+                      "warnings": getattr(self, "warnings", [])})
 
 
 def _train(cls, out_dir, *, model=gpt2, data=None, eval_data=None, collator=None, callbacks=(),
@@ -142,10 +143,12 @@ def _train(cls, out_dir, *, model=gpt2, data=None, eval_data=None, collator=None
                   data_collator=collator() if collator else DataCollatorForLanguageModeling(
                       TOK, mlm=False),
                   processing_class=TOK, callbacks=[*callbacks, seen], **(trainer_kw or {}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # transformers' advice on a CPU toy run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")          # transformers' advice on a CPU toy run...
         out = trainer.train(**(train_kw or {}))
-    return Run(trainer, seen, out)
+    run = Run(trainer, seen, out)
+    run.warnings = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+    return run
 
 
 def _pair(tmp_path, native=Trainer, fast=SynclessTrainer, *, callbacks=None, trainer_kw=None,

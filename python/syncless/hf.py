@@ -69,7 +69,9 @@ the next optimizer steps, so at the same step or a later one (on CPU the deliver
 win the race and hand it over at the same step). A callback reading `state.log_history` in
 `on_step_end` sees a row a step or more later; one that stops training (or asks for a save or an
 evaluation) from `on_log` acts at the step where the row arrived, not at the logging step: pass
-`syncless_log_at_step=True` if that step must be the Trainer's. `state.num_input_tokens_seen`
+`syncless_log_at_step=True` if that step must be the Trainer's. What an `on_log` callback reads
+beyond `logs` and the state fields set back (the model's weights, the optimizer, the scheduler,
+counters of its own) is as of that later step too. `state.num_input_tokens_seen`
 of a device count lags between logging steps (it holds the last delivered row's count: the
 last logging step, or the last window of `trainer.syncless`); it is exact at every log, save,
 evaluation and the end, and a host count (`"all"`) is never late.
