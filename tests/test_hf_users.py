@@ -479,7 +479,14 @@ def test_resume_from_checkpoint_and_train_twice(tmp_path):
 # ---- callbacks ---------------------------------------------------------------------------------
 
 class StopOnLog(TrainerCallback):
-    """Stops training from on_log once the step reaches 4."""
+    """Stops training from on_log once the step reaches 4; notes the steps of log_history that
+    on_step_end sees."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_step_end(self, args, state, control, **kw):
+        self.seen[state.global_step] = [d["step"] for d in state.log_history]
 
     def on_log(self, args, state, control, logs=None, **kw):
         if "loss" in logs and state.global_step >= 4:
@@ -503,15 +510,21 @@ class NewControl(TrainerCallback):
 
 
 def test_stop_from_on_log(tmp_path):
-    kw = dict(callbacks=lambda: [StopOnLog()], num_train_epochs=3)
+    stops = []
+    kw = dict(callbacks=lambda: stops.append(StopOnLog()) or [stops[-1]], num_train_epochs=3)
     native, exact = _pair(tmp_path / "at-step", fast_kw=dict(syncless_log_at_step=True), **kw)
     assert native.state.global_step == 4
+    assert stops[0].seen == {1: [], 2: [], 3: [2], 4: [2]}
     assert exact.view() == native.view()                         # stopped at the same step
+    assert stops[1].seen == stops[0].seen
     _, late = _pair(tmp_path / "late", **kw)
-    # By default on_log runs when the row arrives: the stop comes at a later step, never
-    # earlier, and every log before it is the same.
+    # By default log() runs when the row arrives: at the logging step or a later one. The stop
+    # comes at the same step or later, never earlier; every log before it is the same, and
+    # on_step_end sees log_history as the Trainer's or an earlier part of it, never more.
     assert late.state.global_step >= 4
     assert late.history()[:2] == native.history()[:2]
+    for step, history in stops[3].seen.items():
+        assert history == stops[0].seen.get(step, [2, 4])[:len(history)]
 
 
 def test_token_budget_and_a_new_control_from_on_log(tmp_path):
