@@ -539,9 +539,15 @@ def test_token_budget_and_a_new_control_from_on_log(tmp_path):
         (1, 44), (2, 88), (3, 128), (4, 164)]                    # trainer.syncless, every step
     native, fast = _pair(tmp_path / "control", callbacks=lambda: [NewControl()],
                          eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
-                         eval_data=Texts(8, 1), eval_on_start=True)
+                         eval_data=Texts(8, 1), eval_on_start=True,
+                         lr_scheduler_type="reduce_lr_on_plateau", learning_rate=5e-2,
+                         lr_scheduler_kwargs={"patience": 0},
+                         num_train_epochs=2)
     assert "eval_loss" in native.history()[0] and native.history()[0]["step"] == 0
-    assert sorted(os.listdir(tmp_path / "control" / "native")) == ["checkpoint-3", "checkpoint-6"]
+    assert sorted(os.listdir(tmp_path / "control" / "native")) == [
+        "checkpoint-12", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    rates = [d["learning_rate"] for d in native.history() if "learning_rate" in d]
+    assert rates[0] == 5e-2 and rates[-1] < 5e-2                 # the plateau lowered it
     assert fast.view() == native.view()
     assert _text(_checkpoints(tmp_path / "control" / "fast")) == \
         _text(_checkpoints(tmp_path / "control" / "native"))
