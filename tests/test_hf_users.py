@@ -174,8 +174,10 @@ def _pair(tmp_path, native=Trainer, fast=SynclessTrainer, *, callbacks=None, tra
     dict(lr_scheduler_type="cosine", warmup_steps=2, max_steps=10, logging_steps=1,
          learning_rate=1e-3),
     dict(data=Stream(), max_steps=9, include_num_input_tokens_seen="non_padding"),
+    dict(logging_steps=0.25, num_train_epochs=2, auto_find_batch_size=True),
 ], ids=["defaults", "every-step-first-ga4-bf16", "epoch-tokens-no-clip",
-        "non-padding-ga2-label-smoothing", "cosine-warmup-max-steps", "iterable-max-steps"])
+        "non-padding-ga2-label-smoothing", "cosine-warmup-max-steps", "iterable-max-steps",
+        "fractional-logging-steps-auto-batch-size"])
 def test_training_arguments_agree(tmp_path, kw):
     native, fast = _pair(tmp_path, **kw)
     assert "train_loss" in native.history()[-1]
