@@ -17,16 +17,33 @@ What SynclessTrainer changes, keeping the Trainer's loop as it is:
   `tr_loss / (1 + global_step - globalstep_last_logged)` (the running mean of the window) instead
   of its loss; the Trainer's host check is skipped for exactly that micro-batch
   (`args.logging_nan_inf_filter` reads False only between `training_step` returning and
-  `floating_point_ops`, and is the user's value everywhere else: callbacks, saved arguments);
-- tokens are counted into a device counter (the same counts: all tokens, the attention mask's
-  sum, or the non-pad tokens; gathered across processes by the same all-gather);
+  `floating_point_ops`, and is the user's value everywhere else: callbacks, saved arguments).
+  So `training_step` returns the filtered loss: a subclass of SynclessTrainer that reads it sees
+  the window's mean where the loss was NaN/Inf (put the mixin first on your own subclass,
+  `class T(SynclessTrainerMixin, MyTrainer)`, and MyTrainer.training_step sees the raw loss);
+- tokens: a count the host has (`"all"` in one process: the input's numel) goes straight into
+  `state.num_input_tokens_seen`, exact at every micro-batch and without a kernel; a count the
+  device makes (`"non_padding"`: the attention mask's sum or the non-pad tokens; any count in a
+  multi-process run, gathered by the Trainer's all-gather) goes into a device counter;
 - at a logging step the window's loss mean and the grad norm stay on the device and go into a
   syncless Logger; when the row arrives (normally at the next step) the Trainer's own `log()` is
   called with the values the Trainer would have computed (loss = window sum / steps, grad_norm,
   learning_rate, then `log()` adds epoch, num_input_tokens_seen and the speed metrics), with
-  `state.global_step`, `state.epoch` and `state.num_input_tokens_seen` set back to the logging
-  step's for that call: `state.log_history`, every `on_log` callback and every `report_to`
-  integration get the same keys, values and steps as with `Trainer`, a step or so late;
+  `state.global_step`, `state.epoch`, `state.num_input_tokens_seen` and `state.total_flos` set
+  back to the logging step's for that call: `state.log_history`, every `on_log` callback and
+  every `report_to` integration get the same keys, values and steps as with `Trainer`;
+- `syncless_log_at_step=True` waits for each logging step's row at that step (one wait per
+  logging step, none in between) and calls `log()` there, exactly when the Trainer does. It is on
+  by default when a class of the trainer overrides `log()`: TRL's trainers (SFTTrainer,
+  DPOTrainer, GRPOTrainer...) add the metrics they gathered since the last log (and look at
+  `self.model.training` or `self.control`), which must be read at the logging step;
+- a `log()` call of your own (from `compute_loss`, a callback) or the Trainer's (evaluation, the
+  end) first delivers the logging steps before it (a wait, only if one is pending) and reads the
+  device token count (a wait, only if there is one), so `log_history` keeps the Trainer's order
+  and every entry its exact `num_input_tokens_seen`;
+- a class of yours that overrides `_maybe_log_save_evaluate` (to log in its own way) keeps the
+  Trainer's logging and token count as they are, with their syncs; the filter stays on the
+  device;
 - every optimizer step is also logged to `trainer.syncless`, a public syncless Logger (loss of
   the step, grad_norm, learning_rate, epoch, num_input_tokens_seen): give it sinks with
   `syncless_sinks=[...]` (delivered every `syncless_every` steps); `syncless_every_step=False`
@@ -40,15 +57,24 @@ Still synced, on purpose: before an evaluation or a checkpoint save and at the e
 the trainer waits for the logged steps (one wait), so that `log_history` and `trainer_state.json`
 hold every logging step in order; `_finalize_training` reads the remaining loss once
 (`.item()`, as the Trainer does); in multi-process runs `store_flos` still broadcasts and
-`.item()`s the FLOP count at each logging step. Untouched: the batch's host-to-device copies
+`.item()`s the FLOP count at each logging step; the waits above (`syncless_log_at_step`, a log()
+of your own). Untouched: the batch's host-to-device copies
 (`accelerator_config={"non_blocking": True}` with the default pinned memory makes those
 asynchronous too), a learning rate kept as a tensor (`_get_learning_rate` reads it every step),
 DeepSpeed's grad norm (a float already), evaluation, and XLA (the class does nothing there).
 
-Delivered late: `on_log`/`report_to`/`log_history` by one logging row (the trainer takes rows as
-the GPU finishes them, at the next optimizer steps); `state.num_input_tokens_seen` by up to
-`syncless_every` steps between logging steps (exact at every log, save, evaluation and the
-end). A callback that stops training from `on_log` therefore acts a step or so later.
+Delivered late (unless `syncless_log_at_step`): `log()`, so `on_log`/`report_to`/`log_history`,
+runs when the logging step's row arrives: the trainer takes rows as the GPU finishes them, at
+the next optimizer steps, so at the same step or a later one (on CPU the delivery thread may
+win the race and hand it over at the same step). A callback reading `state.log_history` in
+`on_step_end` sees a row a step or more later; one that stops training (or asks for a save or an
+evaluation) from `on_log` acts at the step where the row arrived, not at the logging step: pass
+`syncless_log_at_step=True` if that step must be the Trainer's. What an `on_log` callback reads
+beyond `logs` and the state fields set back (the model's weights, the optimizer, the scheduler,
+counters of its own) is as of that later step too. `state.num_input_tokens_seen`
+of a device count lags between logging steps (it holds the last delivered row's count: the
+last logging step, or the last window of `trainer.syncless`); it is exact at every log, save,
+evaluation and the end, and a host count (`"all"`) is never late.
 """
 from __future__ import annotations
 
@@ -80,17 +106,25 @@ class _Rows:
 
 class _Record:
     """Host facts of one logging step, kept until its device values arrive."""
-    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "time", "start_time")
+    __slots__ = ("step", "steps", "grad_norm", "lr", "epoch", "flos", "tokens", "time",
+                 "start_time")
 
     def __init__(self, step: int, steps: int, grad_norm: Any, lr: float, epoch: Any,
-                 start_time: Any):
+                 flos: float, tokens: int, start_time: Any):
         self.step = step
         self.steps = steps                  # optimizer steps in the window
         self.grad_norm = grad_norm          # a host value (DeepSpeed) or None
         self.lr = lr
         self.epoch = epoch
+        self.flos = flos                    # state.total_flos as of the logging step
+        self.tokens = tokens                # state.num_input_tokens_seen (host counts)
         self.time = time.time()
         self.start_time = start_time
+
+
+def _is_trainer(cls: type) -> bool:
+    """transformers.Trainer itself (found without importing transformers)."""
+    return cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
 
 
 class SynclessTrainerMixin:
@@ -100,13 +134,41 @@ class SynclessTrainerMixin:
     syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
     syncless_every_step: False skips the per-step Logger (a gather kernel per step);
         `trainer.syncless` is then None and the logging steps are all that is recorded.
+    syncless_log_at_step: True calls `log()` (so `on_log`, `report_to`, `log_history`) at its
+        logging step, as the Trainer does, after one wait for that step's values; False when
+        they arrive (a step or more later); None (default): True when a class of the trainer
+        overrides `log()` (TRL's trainers do), False otherwise.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Trainer's methods do not call super(): a mixin after it in the MRO would never run.
+        mro = cls.__mro__
+        trainer = next((i for i, c in enumerate(mro) if _is_trainer(c)), None)
+        if trainer is not None and trainer < mro.index(SynclessTrainerMixin):
+            raise TypeError(f"{cls.__name__}: SynclessTrainerMixin must come before "
+                            f"{mro[1].__name__} in the bases (class {cls.__name__}("
+                            f"SynclessTrainerMixin, {mro[1].__name__})); after it, it is "
+                            "never called")
 
     def __init__(self, *args: Any, syncless_every: int = 50,
                  syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
-                 **kwargs: Any):
-        if not isinstance(syncless_every, int) or syncless_every < 1:
+                 syncless_log_at_step: bool | None = None, **kwargs: Any):
+        if isinstance(syncless_every, bool) or not isinstance(syncless_every, int) \
+                or syncless_every < 1:
             raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
+        if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
+            raise ValueError(f"syncless_log_at_step must be True, False or None, got "
+                             f"{syncless_log_at_step!r}")
+        if syncless_log_at_step is None:
+            syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
+                                       if c is not SynclessTrainerMixin and not _is_trainer(c))
+        self.syncless_log_at_step = syncless_log_at_step
+        # A class of the user's that overrides _maybe_log_save_evaluate logs in its own way:
+        # it keeps the Trainer's logging and token count (and their syncs).
+        self._sl_own_logging = any("_maybe_log_save_evaluate" in vars(c)
+                                   for c in type(self).__mro__
+                                   if c is not SynclessTrainerMixin and not _is_trainer(c))
         if hasattr(syncless_sinks, "write"):
             syncless_sinks = [syncless_sinks]
         self.syncless_every = syncless_every
@@ -117,6 +179,7 @@ class SynclessTrainerMixin:
         self.syncless: Logger | None = None
         self._sl_active = False
         self._sl_filter_off = False
+        self._sl_delivering = False
         super().__init__(*args, **kwargs)
 
     # ---- the training run ----------------------------------------------------------------
@@ -198,7 +261,7 @@ class SynclessTrainerMixin:
         self._sl_restore_filter()
         mode = self.args.include_num_input_tokens_seen
         main = getattr(self.model, "main_input_name", "input_ids")
-        if not self._sl_active or mode == "no" or main not in inputs:
+        if not self._sl_active or self._sl_own_logging or mode == "no" or main not in inputs:
             return super()._track_num_input_tokens(inputs)
         if mode == "non_padding":
             pad = getattr(self.processing_class, "pad_token_id", None)
@@ -211,6 +274,11 @@ class SynclessTrainerMixin:
         else:
             count = inputs[main].numel()
         device = self.args.device
+        single = self.accelerator.num_processes == 1
+        if not isinstance(count, torch.Tensor) and single and self._sl_tokens is None:
+            # A host number (numel: "all"): state is exact at every micro-batch, no kernel.
+            self.state.num_input_tokens_seen += int(count)
+            return
         if self._sl_tokens is None:
             self._sl_tokens = torch.full((), self.state.num_input_tokens_seen, dtype=torch.int64,
                                          device=device)
@@ -218,7 +286,7 @@ class SynclessTrainerMixin:
             count = count.to(torch.int64)
         else:
             count = int(count)               # a host number (numel, or a CPU tensor's sum)
-        if self.accelerator.num_processes > 1:
+        if not single:
             if not isinstance(count, torch.Tensor):
                 count = torch.full((), count, dtype=torch.int64, device=device)   # no H2D copy
             count = self.accelerator.gather(count).sum()
@@ -232,7 +300,7 @@ class SynclessTrainerMixin:
             return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                     ignore_keys_for_eval, start_time,
                                                     learning_rate=learning_rate, **kwargs)
-        state, control = self.state, self.control
+        state = self.state
         step = state.global_step
         norm = grad_norm
         if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
@@ -251,9 +319,15 @@ class SynclessTrainerMixin:
                 row["epoch"] = state.epoch
             if self._sl_tokens is not None:
                 row["num_input_tokens_seen"] = self._sl_tokens
+            elif self.args.include_num_input_tokens_seen != "no":
+                row["num_input_tokens_seen"] = state.num_input_tokens_seen
             self.syncless.log(row, step=step)
             self._sl_step_loss = None        # the next micro-batch starts the next step's sum
-        if control.should_log and step > self._globalstep_last_logged:
+        if self._sl_own_logging:
+            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                                    ignore_keys_for_eval, start_time,
+                                                    learning_rate=learning_rate, **kwargs)
+        if self.control.should_log and step > self._globalstep_last_logged:
             from transformers.trainer_pt_utils import nested_gather
             values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
             host_norm = None
@@ -267,17 +341,33 @@ class SynclessTrainerMixin:
                 lr = learning_rate if learning_rate is not None else self._get_learning_rate()
             self._sl_records.log(values, step=step)
             tr_loss -= tr_loss
-            self._sl_pending.append(_Record(step, step - self._globalstep_last_logged, host_norm,
-                                            lr, state.epoch, start_time))
+            steps = step - self._globalstep_last_logged
             self._globalstep_last_logged = step
             self.store_flos()
-            control.should_log = False       # what the Trainer's on_log would have done
+            self._sl_pending.append(_Record(step, steps, host_norm, lr, state.epoch,
+                                            state.total_flos, state.num_input_tokens_seen,
+                                            start_time))
+            self.control.should_log = False  # what the Trainer's on_log would have done
+            if self.syncless_log_at_step:
+                self._sl_records.flush()     # log() runs now, as the Trainer's does
         self._sl_drain()
-        if (control.should_evaluate or control.should_save) and self._sl_pending:
+        if (self.control.should_evaluate or self.control.should_save) and self._sl_pending:
             self._sl_drain(wait=True)        # evaluation and checkpoints see every log first
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
                                                 ignore_keys_for_eval, start_time,
                                                 learning_rate=learning_rate, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._sl_active and not self._sl_delivering:
+            # A log() of the user's own (from compute_loss, a callback) or the Trainer's
+            # (evaluation, the end): the logging steps before it go first, and the token
+            # count it reports is read (a wait), as exact as the Trainer's.
+            if self._sl_pending:
+                self._sl_drain(wait=True)
+            if self._sl_tokens is not None:
+                self.state.num_input_tokens_seen = max(self.state.num_input_tokens_seen,
+                                                       int(self._sl_tokens.item()))
+        return super().log(logs, start_time)
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         self._sl_restore_filter()
@@ -315,19 +405,20 @@ class SynclessTrainerMixin:
         logs["learning_rate"] = rec.lr
         self._total_loss_scalar += loss
         state = self.state
-        now = (state.global_step, state.epoch, state.num_input_tokens_seen)
-        tokens = int(values["tokens"]) if "tokens" in values else None
-        state.global_step, state.epoch = rec.step, rec.epoch
-        if tokens is not None:
-            state.num_input_tokens_seen = tokens
+        now = (state.global_step, state.epoch, state.num_input_tokens_seen, state.total_flos)
+        tokens = int(values["tokens"]) if "tokens" in values else rec.tokens
+        state.global_step, state.epoch, state.total_flos = rec.step, rec.epoch, rec.flos
+        state.num_input_tokens_seen = tokens
         start = rec.start_time
         if start is not None:                # speed metrics as of the logging step
             start += time.time() - rec.time
+        self._sl_delivering = True
         try:
             self.log(logs, start)
         finally:
-            state.global_step, state.epoch = now[0], now[1]
-            state.num_input_tokens_seen = max(now[2], tokens or 0)
+            self._sl_delivering = False
+            state.global_step, state.epoch, state.total_flos = now[0], now[1], now[3]
+            state.num_input_tokens_seen = max(now[2], tokens)
 
 
 def _trainer_class() -> type:
