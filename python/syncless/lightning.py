@@ -187,6 +187,9 @@ def _build(pkg_name: str) -> type:
             value = metric._forward_cache            # after the float cast and sync_dist
             if isinstance(value, torch.Tensor):
                 self._pending[entry[0]] = value
+                if entry[2]:
+                    # What Lightning's logged_metrics holds: the device tensor, unread.
+                    trainer._logger_connector._logged_metrics[entry[0]] = value
             if self._open is None:                   # logged before the first batch hook
                 self._start_batch(trainer)
 
@@ -251,7 +254,6 @@ def _build(pkg_name: str) -> type:
             metrics = {k: self._current[k] for k in batch.keys if k in self._current}
             if not metrics:
                 return
-            trainer._logger_connector._logged_metrics.update(metrics)
             step = batch.step
             step_metric = metrics.pop("step", None)
             if step_metric is not None:
