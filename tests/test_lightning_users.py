@@ -182,3 +182,203 @@ def test_log_dict_python_numbers_and_dtypes(tmp_path, device):
     native, fast = fit_both(tmp_path, device, LogDict)
     assert len(native["csv0"]) > 4 and "int_t" in native["csv0"][0]
     assert_same(native, fast)
+
+
+class WithMetrics(Base):
+    """torchmetrics objects passed to self.log, as the torchmetrics docs show."""
+
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+        self.train_acc = torchmetrics.classification.BinaryAccuracy()
+        self.val_acc = torchmetrics.classification.BinaryAccuracy()
+        self.train_metrics = torchmetrics.MetricCollection(
+            {"f1": torchmetrics.classification.BinaryF1Score(),
+             "prec": torchmetrics.classification.BinaryPrecision()}, prefix="train_")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        loss = F.binary_cross_entropy_with_logits(logits, y)
+        self.train_acc(logits, y.int())
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
+        self.log_dict(self.train_metrics(logits, y.int()))          # a dict of tensors
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc.update(self.net(x), y.int())
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+
+def test_torchmetrics_objects(tmp_path, device):
+    pytest.importorskip("torchmetrics")
+    native, fast = fit_both(
+        tmp_path, device, WithMetrics,
+        callbacks=lambda root: [ModelCheckpoint(root / "ck", monitor="train_acc_epoch",
+                                                mode="max", filename="{epoch}-{train_acc_epoch}")],
+        enable_checkpointing=True)
+    assert "train_acc_step" in native["csv0"][0] and "train_f1" in native["csv0"][0]
+    assert_same(native, fast)
+
+
+class Reductions(Base):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.log("mx", loss, on_step=True, on_epoch=True, reduce_fx="max", prog_bar=True)
+        self.log("mn", loss, on_step=True, on_epoch=True, reduce_fx=torch.min)
+        self.log("sm", loss, on_step=True, on_epoch=True, reduce_fx="sum")
+        self.log("weighted", loss, on_step=True, on_epoch=True, batch_size=len(x))
+        self.log("per_item", loss, on_epoch=True, batch_size=len(x), prog_bar=True)
+        return loss
+
+
+def test_reduce_fx_and_batch_size(tmp_path, device):
+    """30 rows in batches of 4: the last batch has 2, so the batch-size weights matter."""
+    native, fast = fit_both(tmp_path, device, Reductions, train=lambda: _data(30, 4),
+                            callbacks=lambda root: [EarlyStopping("weighted_epoch", patience=0,
+                                                                  mode="max")],
+                            max_epochs=4)
+    assert native["early0"][0] > 0
+    assert_same(native, fast)
+
+
+class Hooks(Base):
+    """Logging from the batch hooks, the grad norms Lightning's docs recommend."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.log("batch_mean", batch[0].mean())
+
+    def on_after_backward(self):
+        self.log("grad_w", self.net.weight.grad.abs().sum())
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+        self.log_dict(grad_norm(self, norm_type=2))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("out_loss", outputs["loss"], prog_bar=True)
+
+
+class UserCallbackLogs(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("from_callback", outputs["loss"] * 10, on_step=True, on_epoch=True)
+
+
+def test_logging_from_hooks_and_callbacks(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Hooks, gradient_clip_val=0.5,
+                            callbacks=lambda root: [UserCallbackLogs()])
+    head = native["csv0"][0]
+    assert {"grad_2.0_norm/net.weight", "grad_2.0_norm_total", "out_loss", "batch_mean",
+            "grad_w", "from_callback_step", "from_callback_epoch"} <= set(head)
+    assert_same(native, fast)
+
+
+class Gan(pl.LightningModule):
+    """Manual optimization with two optimizers and manual_backward (the GAN tutorial's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g = torch.nn.Linear(4, 4)
+        self.d = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.g(torch.randn_like(x))
+        d_loss = (F.softplus(-self.d(x)) + F.softplus(self.d(fake.detach()))).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = F.softplus(-self.d(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, prog_bar=True)
+        self.log("d_epoch", d_loss, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.g.parameters(), lr=1e-2),
+                torch.optim.Adam(self.d.parameters(), lr=1e-2))
+
+
+def test_manual_optimization_two_optimizers(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Gan, val=False, log_every_n_steps=2)
+    assert native["steps"][0] == 2 * 16 and native["csv0"][0][:1]
+    assert_same(native, fast)
+
+
+class OnStepEpoch(Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+
+@pytest.mark.parametrize("kw", [
+    dict(accumulate_grad_batches=4, log_every_n_steps=1, max_epochs=3),
+    dict(val_check_interval=0.25, max_epochs=3, log_every_n_steps=1),
+    dict(max_steps=13, max_epochs=-1, log_every_n_steps=2),
+    dict(limit_train_batches=5, log_every_n_steps=2, max_epochs=3),
+    dict(limit_train_batches=0.5, limit_val_batches=1, log_every_n_steps=1),
+    dict(fast_dev_run=True),
+    dict(fast_dev_run=3),
+    dict(num_sanity_val_steps=0, check_val_every_n_epoch=2, max_epochs=4),
+], ids=["accumulate4", "val-quarter", "max-steps", "limit-int", "limit-float", "fast-dev-run",
+        "fast-dev-run-3", "val-every-2"])
+def test_trainer_loop_options(tmp_path, device, kw):
+    def callbacks(root):
+        return [ModelCheckpoint(root / "ck", monitor="val_loss", save_top_k=2, save_last=True,
+                                filename="{epoch}-{step}-{val_loss:.4f}"),
+                EarlyStopping("val_loss", patience=3)]
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, callbacks=callbacks,
+                            enable_checkpointing=True, **kw)
+    assert_same(native, fast)
+
+
+def test_default_log_every_n_steps(tmp_path, device):
+    """Lightning's default, 50, on a 100-batch epoch: two logged batches per epoch."""
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, train=lambda: _data(100, 1),
+                            log_every_n_steps=50)
+    steps = [r[native["csv0"][0].index("step")] for r in native["csv0"][1:]
+             if r[native["csv0"][0].index("train_loss_step")]]
+    assert steps == ["49", "99", "149", "199"]
+    assert_same(native, fast)
+
+
+class Scheduled(OnStepEpoch):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_learning_rate_monitor(tmp_path, device):
+    native, fast = fit_both(
+        tmp_path, device, Scheduled, log_every_n_steps=1,
+        callbacks=lambda root: [LearningRateMonitor("step", log_momentum=True)])
+    assert "lr-SGD" in native["csv0"][0]
+    assert_same(native, fast)
+
+
+class BarSeen(Callback):
+    """The TQDM bar's postfix after each batch, as the user sees it in the terminal."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(trainer.progress_bar_callback.train_progress_bar.postfix)
+
+
+def test_tqdm_bar(tmp_path, device):
+    """The default bar (enable_progress_bar=True): the same text at the end of each epoch."""
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, enable_progress_bar=True,
+                            callbacks=lambda root: [TQDMProgressBar(refresh_rate=1), BarSeen()])
+    assert "train_loss_epoch" in native["bar0"][0]
+    seen_native, seen_fast = native.pop("seen1"), fast.pop("seen1")
+    assert len(seen_fast) == len(seen_native) == 16
+    assert_same(native, fast)

@@ -73,16 +73,31 @@ _classes: dict[str, type] = {}
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("step", "epoch", "ended", "accumulating", "log_now", "keys", "has_row")
+    __slots__ = ("step", "epoch", "ready", "ended", "accumulating", "log_now", "keys", "has_row")
 
-    def __init__(self, step: int, epoch: int):
+    def __init__(self, step: int, epoch: int, ready: int):
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
+        self.ready = ready               # Lightning's count of batches begun, this one included
         self.ended = False               # reached on_train_batch_end (not cut by an exception)
         self.accumulating = False
         self.log_now = False
         self.keys: tuple = ()
         self.has_row = False
+
+
+class _Direct:
+    """A `log_metrics` call that reached a logger from elsewhere (LearningRateMonitor, the user's
+    `self.logger.log_metrics`, ...) while step rows logged before it were still on their way: it
+    waits for them, so that the logger sees the calls in Lightning's order."""
+    __slots__ = ("logger", "metrics", "step")
+    has_row = False
+    log_now = False
+
+    def __init__(self, logger: Any, metrics: dict, step: int | None):
+        self.logger = logger
+        self.metrics = metrics
+        self.step = step
 
 
 class _Rows:
@@ -128,6 +143,7 @@ def _build(pkg_name: str) -> type:
             self._batches: collections.deque = collections.deque()
             self._current: dict[str, float] = {}
             self._pbar_keys: set[str] = set()
+            self._loggers: list = []             # (logger, its own log_metrics, was patched)
 
         # ---- the log replacement ------------------------------------------------------------
 
@@ -179,6 +195,7 @@ def _build(pkg_name: str) -> type:
             metric = _train_results(trainer).get(key)
             if metric is None:                       # Lightning chose not to log it
                 return
+            self._own_batch(trainer)
             entry = self._keys.get(key)
             if entry is None:
                 entry = self._keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
@@ -190,13 +207,23 @@ def _build(pkg_name: str) -> type:
                 if entry[2]:
                     # What Lightning's logged_metrics holds: the device tensor, unread.
                     trainer._logger_connector._logged_metrics[entry[0]] = value
-            if self._open is None:                   # logged before the first batch hook
-                self._start_batch(trainer)
 
         # ---- batches ----------------------------------------------------------------------
 
-        def _start_batch(self, trainer: Any) -> None:
-            self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
+        def _own_batch(self, trainer: Any) -> None:
+            """Makes the open batch Lightning's current one: a batch Lightning has completed (its
+            step metrics logged) is closed; a new one is opened by whichever comes first, our
+            on_train_batch_start or a `self.log` from a hook that runs before it."""
+            self._close_finished(trainer)
+            if self._open is None:
+                progress = trainer.fit_loop.epoch_loop.batch_progress.total
+                self._open = _Batch(_logger_step(trainer), trainer.current_epoch, progress.ready)
+
+        def _close_finished(self, trainer: Any) -> None:
+            batch = self._open
+            if (batch is not None
+                    and trainer.fit_loop.epoch_loop.batch_progress.total.completed >= batch.ready):
+                self._close_batch(trainer)
 
         def _close_batch(self, trainer: Any) -> None:
             batch = self._open
@@ -243,7 +270,9 @@ def _build(pkg_name: str) -> type:
                         if k in self._pbar_keys:
                             pbar[k] = v
                 batches.popleft()
-                if batch.log_now and batch.keys:
+                if isinstance(batch, _Direct):
+                    self._send(batch.logger, batch.metrics, batch.step)
+                elif batch.log_now and batch.keys:
                     self._emit(trainer, batch)
             if pbar:
                 # The connector's dict, not the trainer.progress_bar_metrics property: the property
@@ -261,8 +290,41 @@ def _build(pkg_name: str) -> type:
             else:
                 metrics.setdefault("epoch", batch.epoch)
             for lg in trainer.loggers:
-                lg.log_metrics(metrics=metrics, step=step)
+                self._send(lg, metrics, step)
                 lg.save()
+
+        def _send(self, lg: Any, metrics: dict, step: int | None) -> None:
+            for logger, own, _patched in self._loggers:
+                if logger is lg:
+                    return own(metrics=metrics, step=step)
+            lg.log_metrics(metrics=metrics, step=step)
+
+        def _watch_loggers(self, trainer: Any) -> None:
+            """Every configured logger's log_metrics, while fit runs: calls made by others wait
+            behind the step rows logged before them (see _Direct)."""
+            cb = self
+            for lg in trainer.loggers:
+                own = lg.log_metrics
+
+                def log_metrics(metrics: Any, step: int | None = None, _lg: Any = lg,
+                                _own: Any = own) -> None:
+                    cb._close_finished(trainer)
+                    if cb._batches and not cb.syncless.closed:
+                        cb._batches.append(_Direct(_lg, dict(metrics), step))
+                        cb._drain(trainer)
+                    else:
+                        _own(metrics=metrics, step=step)
+
+                self._loggers.append((lg, own, "log_metrics" in vars(lg)))
+                lg.log_metrics = log_metrics
+
+        def _unwatch_loggers(self) -> None:
+            for lg, own, patched in self._loggers:
+                if patched:
+                    lg.log_metrics = own
+                else:
+                    vars(lg).pop("log_metrics", None)
+            self._loggers = []
 
         def _set_flags(self, trainer: Any, on: bool) -> None:
             """Lightning reads step values only for metas with prog_bar/logger set: those are
@@ -291,15 +353,15 @@ def _build(pkg_name: str) -> type:
             self._current.clear()
             self._pbar_keys.clear()
             self._install(pl_module)
+            self._watch_loggers(trainer)
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             self._set_flags(trainer, on=False)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
-            self._close_batch(trainer)
+            self._own_batch(trainer)
             self._drain(trainer)
-            self._start_batch(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
@@ -333,6 +395,7 @@ def _build(pkg_name: str) -> type:
 
         def _finish(self) -> None:
             self._uninstall()
+            self._unwatch_loggers()
             if self.syncless is not None:
                 self.syncless.close()
 
