@@ -120,8 +120,8 @@ def _forget_warnings():
                     value.clear()
 
 
-def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], loggers=("csv", "tb"),
-             fit=None, train=None, val=None, every=4, **trainer_kw):
+def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], before=lambda root: [],
+             loggers=("csv", "tb"), fit=None, train=None, val=None, every=4, **trainer_kw):
     """Runs the scenario plainly and with SynclessLogging; returns both runs' observations."""
     runs = {}
     for kind in ("native", "syncless"):
@@ -134,7 +134,8 @@ def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], loggers=("cs
         if "tb" in loggers:
             lgs.append(TensorBoardLogger(root, name="tb"))
         extra = callbacks(root)
-        cbs = ([SynclessLogging(every=every)] if kind == "syncless" else []) + extra
+        first = before(root)                 # the user's callbacks listed before ours
+        cbs = first + ([SynclessLogging(every=every)] if kind == "syncless" else []) + extra
         kw = dict(max_epochs=2, logger=lgs or False, callbacks=cbs, log_every_n_steps=3,
                   accelerator="cpu" if device == "cpu" else "gpu", devices=1,
                   enable_checkpointing=False, enable_model_summary=False,
@@ -148,9 +149,9 @@ def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], loggers=("cs
             warnings.simplefilter("always")
             if fit is None:
                 trainer.fit(module, tr, va)
-            else:
-                fit(trainer, module, tr, va, root)
-        seen = _seen(trainer, extra, root)
+            else:                            # the scenario's own calls; it may hand back
+                trainer = fit(trainer, module, tr, va, root) or trainer      # a later trainer
+        seen = _seen(trainer, first + extra, root)
         seen["warnings"] = _warnings(caught, root)
         runs[kind] = seen
     return runs["native"], runs["syncless"]
@@ -381,4 +382,81 @@ def test_tqdm_bar(tmp_path, device):
     assert "train_loss_epoch" in native["bar0"][0]
     seen_native, seen_fast = native.pop("seen1"), fast.pop("seen1")
     assert len(seen_fast) == len(seen_native) == 16
+    assert_same(native, fast)
+
+
+class Direct(OnStepEpoch):
+    """`self.logger.log_metrics` (what Lightning's own warning recommends for a step count)."""
+
+    def training_step(self, batch, batch_idx):
+        for lg in self.loggers:
+            lg.log_metrics({"samples": float((self.global_step + 1) * len(batch[0]))},
+                           step=self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+class EarlyHook(Callback):
+    """A user callback listed before SynclessLogging, logging at the start of each batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.log("batch_idx", float(batch_idx), prog_bar=True)
+        pl_module.log("first_x", batch[0][0, 0], on_step=True, on_epoch=True)
+
+
+def test_direct_logger_calls_and_callback_order(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Direct, log_every_n_steps=1,
+                            before=lambda root: [EarlyHook()])
+    head, rows = native["csv0"][0], native["csv0"][1:]
+    assert rows[0][head.index("samples")] == "4.0"        # the direct call comes first
+    at = head.index("batch_idx")
+    assert [r[at] for r in rows if r[at]][:3] == ["0.0", "1.0", "2.0"]
+    assert_same(native, fast)
+
+
+def test_fit_twice_on_one_trainer(tmp_path, device):
+    """`trainer.fit` again with max_epochs raised, then validate and test on the same trainer."""
+    class WithTest(OnStepEpoch):
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.loss(batch))
+
+    def fit(trainer, module, train, val, root):
+        trainer.fit(module, train, val)
+        trainer.fit_loop.max_epochs = 4
+        trainer.fit(module, train, val)
+        trainer.validate(module, val, verbose=False)
+        trainer.test(module, val, verbose=False)
+    native, fast = fit_both(tmp_path, device, WithTest, fit=fit)
+    assert native["steps"][:2] == (32, 4) and "test_loss" in native["csv0"][0]
+    assert_same(native, fast)
+
+
+@pytest.mark.parametrize("resume", ["last", "mid-epoch"])
+def test_resume_from_checkpoint(tmp_path, device, resume):
+    """A second Trainer resumes with ckpt_path=: from the end of an epoch, or from a checkpoint
+    taken every 5 steps (mid-epoch)."""
+    def fit(trainer, module, train, val, root):
+        trainer.fit(module, train, val)
+        saved = trainer.checkpoint_callback
+        path = saved.last_model_path if resume == "last" else os.path.join(saved.dirpath,
+                                                                            "step=5.ckpt")
+        pl.seed_everything(1, verbose=False)
+        fast = [SynclessLogging(every=4)] if root.name == "syncless" else []
+        again = pl.Trainer(logger=CSVLogger(root, name="csv"), callbacks=fast + ckpt(root),
+                           max_epochs=4, log_every_n_steps=3, devices=1,
+                           accelerator="cpu" if device == "cpu" else "gpu",
+                           enable_model_summary=False, enable_progress_bar=False,
+                           default_root_dir=root)
+        again.fit(module, train, val, ckpt_path=path)
+        return again
+
+    def ckpt(root):
+        if resume == "last":
+            return [ModelCheckpoint(root / "ck", save_last=True)]
+        return [ModelCheckpoint(root / "ck", every_n_train_steps=5, save_top_k=-1,
+                                filename="{step}")]
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, callbacks=ckpt,
+                            enable_checkpointing=True, fit=fit)
+    first = dict(zip(native["csv0"][0], native["csv0"][1]))
+    assert native["steps"][:2] == (32, 4)
+    assert (first["epoch"], first["step"]) == (("2", "17") if resume == "last" else ("0", "5"))
     assert_same(native, fast)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import collections
 import importlib
 import numbers
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -117,6 +118,8 @@ def _build(pkg_name: str) -> type:
     result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
     FxValidator = fx_validator._FxValidator
     default_dtype = result._get_default_dtype
+    Misconfiguration = importlib.import_module(
+        f"{pkg_name}.utilities.exceptions").MisconfigurationException
 
     class SynclessLogging(pl.Callback):
         """Route on-step `self.log` values through a syncless Logger (see the module docstring).
@@ -144,6 +147,7 @@ def _build(pkg_name: str) -> type:
             self._current: dict[str, float] = {}
             self._pbar_keys: set[str] = set()
             self._loggers: list = []             # (logger, its own log_metrics, was patched)
+            self._trainer: Any = None            # weakref to the trainer the keys belong to
 
         # ---- the log replacement ------------------------------------------------------------
 
@@ -173,13 +177,20 @@ def _build(pkg_name: str) -> type:
                 if not on_step:          # epoch-only: Lightning reads it once per epoch
                     return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=False,
                                 on_epoch=on_epoch, **kw)
+                logger = True if logger is None else logger
+                entry = cb._keys.get(f"{fx}.{name}")
+                if entry is not None and entry[1:] != (prog_bar, logger):
+                    # Lightning compares the arguments we now pass it as False: compare the user's.
+                    raise Misconfiguration(
+                        f"You called `self.log({name}, ...)` twice in `{fx}` with different "
+                        "arguments. This is not allowed")
                 if isinstance(value, numbers.Number):
                     # A kernel argument instead of torch.tensor(v, device=...)'s pageable copy.
                     value = torch.full((), float(value), dtype=default_dtype(),
                                        device=pl_module.device)
                 orig(name, value, prog_bar=False, logger=False, on_step=True, on_epoch=on_epoch,
                      **kw)
-                cb._record(trainer, fx, name, prog_bar, True if logger is None else logger)
+                cb._record(trainer, fx, name, prog_bar, logger)
 
             self._module = pl_module
             self._orig_log = orig
@@ -345,13 +356,17 @@ def _build(pkg_name: str) -> type:
             self._uninstall()
             self.syncless = Logger(every=self.every, sinks=[self._rows, *self._user_sinks],
                               sinks_on="all")
-            self._keys.clear()
+            if self._trainer is None or self._trainer() is not trainer:
+                # Lightning keeps a trainer's results (and our flags on their metas) from one
+                # fit to the next: the keys are forgotten only for another trainer.
+                self._trainer = weakref.ref(trainer)
+                self._keys.clear()
+                self._pbar_keys.clear()
             self._pending = {}
             self._open = None
             self._batches.clear()
             self._rows.rows.clear()
             self._current.clear()
-            self._pbar_keys.clear()
             self._install(pl_module)
             self._watch_loggers(trainer)
 
