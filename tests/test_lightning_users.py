@@ -76,6 +76,29 @@ def _tb_scalars(lg):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def _wandb_settings():
+    import wandb
+    return wandb.Settings(console="off", x_disable_stats=True, x_disable_machine_info=True,
+                          save_code=False, disable_git=True, x_save_requirements=False,
+                          silent=True)
+
+
+def _wandb_history(lg):
+    """The history records of the offline run's .wandb file, by `wandb leet inspect`."""
+    import json
+    import subprocess
+    run = lg.experiment
+    run.finish()
+    run_dir = os.path.dirname(run.dir)
+    path = next(os.path.join(run_dir, f) for f in os.listdir(run_dir) if f.endswith(".wandb"))
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    return [({k: v for k, v in r["history"]["item"].items()
+              if k not in ("_runtime", "_timestamp")}, r["history"]["step"]["num"])
+            for r in rows if r.get("type") == "history"]
+
+
 def _seen(trainer, extra, root):
     """Everything a user reads after fit, with the run's own directory taken out of paths."""
     out = {"steps": (trainer.global_step, trainer.current_epoch,
@@ -85,6 +108,8 @@ def _seen(trainer, extra, root):
             out[f"csv{i}"] = _csv_rows(lg)
         elif isinstance(lg, TensorBoardLogger):
             out[f"tb{i}"] = _tb_scalars(lg)
+        elif type(lg).__name__ == "WandbLogger":
+            out[f"wandb{i}"] = _wandb_history(lg)
     out["callback_metrics"] = {k: _value(v) for k, v in trainer.callback_metrics.items()}
     out["logged_metrics"] = {k: _value(v) for k, v in trainer.logged_metrics.items()}
     out["progress_bar_metrics"] = [(k, _value(v)) for k, v in
@@ -129,6 +154,10 @@ def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], before=lambd
         _forget_warnings()
         pl.seed_everything(0, verbose=False)
         lgs = []
+        if "wandb" in loggers:
+            from lightning.pytorch.loggers import WandbLogger
+            lgs.append(WandbLogger(save_dir=str(root), offline=True, project="syncless-test",
+                                   settings=_wandb_settings()))
         if "csv" in loggers:
             lgs.append(CSVLogger(root, name="csv"))
         if "tb" in loggers:
@@ -459,4 +488,97 @@ def test_resume_from_checkpoint(tmp_path, device, resume):
     first = dict(zip(native["csv0"][0], native["csv0"][1]))
     assert native["steps"][:2] == (32, 4)
     assert (first["epoch"], first["step"]) == (("2", "17") if resume == "last" else ("0", "5"))
+    assert_same(native, fast)
+
+
+class Synced(OnStepEpoch):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True, sync_dist=True)
+        self.log("sum", loss, on_step=True, on_epoch=True, sync_dist=True, reduce_fx="sum")
+        self.log("zero_only", loss, rank_zero_only=True)
+        return loss
+
+
+def test_sync_dist_on_one_process(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Synced, log_every_n_steps=2)
+    assert "sum_epoch" in native["csv0"][0]
+    assert_same(native, fast)
+
+
+class Bf16(Base):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)                          # bf16 under autocast
+        loss = F.binary_cross_entropy_with_logits(logits.float(), y)
+        self.log("loss", loss, prog_bar=True)
+        self.log("logit_mean", logits.mean(), on_step=True, on_epoch=True)   # a bf16 tensor
+        self.log("logit_dtype_bits", float(torch.finfo(logits.dtype).bits))
+        return loss
+
+
+def test_bf16_mixed(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Bf16, precision="bf16-mixed", log_every_n_steps=1)
+    bits = native["csv0"][0].index("logit_dtype_bits")
+    assert native["csv0"][1][bits] == "16.0"
+    assert_same(native, fast)
+
+
+class NoLogger(Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True, logger=True)     # logger=True with no logger
+        self.log("plain", loss * 2)
+        return loss
+
+
+def test_no_logger_configured(tmp_path, device):
+    """logger=False: nothing is written, Lightning's warning about logger=True is kept."""
+    native, fast = fit_both(tmp_path, device, NoLogger, loggers=())
+    assert any("no logger configured" in m for _, m in native["warnings"])
+    assert native["logged_metrics"]["plain"][3] > 0
+    assert_same(native, fast)
+
+
+class Mismatch(Base):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=batch_idx == 0)
+        return loss
+
+
+def test_mismatched_arguments_raise_as_in_lightning(tmp_path, device):
+    """Lightning refuses a key logged with different arguments; so does the callback, and what was
+    logged before is in the loggers."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    def fit(trainer, module, train, val, root):
+        with pytest.raises(MisconfigurationException, match=r"self.log\(loss, ...\)` twice"):
+            trainer.fit(module, train, val)
+    native, fast = fit_both(tmp_path, device, Mismatch, fit=fit, log_every_n_steps=1)
+    assert native["csv0"][1][native["csv0"][0].index("loss")]
+    assert_same(native, fast)
+
+
+def test_rich_progress_bar(tmp_path, device):
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    def bar(root):
+        return [RichProgressBar(refresh_rate=1)]
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, enable_progress_bar=True,
+                            callbacks=bar)
+    assert_same(native, fast)
+
+
+def test_wandb_logger_offline(tmp_path, device, monkeypatch):
+    """WandbLogger (offline) next to CSVLogger: the history in its .wandb file, read back by
+    wandb's own reader, is the same record for record."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, loggers=("wandb", "csv"),
+                            callbacks=lambda root: [LearningRateMonitor()], log_every_n_steps=2)
+    assert len(native["wandb0"]) == len(native["csv1"]) - 1 > 10
     assert_same(native, fast)

@@ -118,6 +118,7 @@ def _build(pkg_name: str) -> type:
     result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
     FxValidator = fx_validator._FxValidator
     default_dtype = result._get_default_dtype
+    rank_zero_warn = importlib.import_module(f"{pkg_name}.utilities.rank_zero").rank_zero_warn
     Misconfiguration = importlib.import_module(
         f"{pkg_name}.utilities.exceptions").MisconfigurationException
 
@@ -177,6 +178,11 @@ def _build(pkg_name: str) -> type:
                 if not on_step:          # epoch-only: Lightning reads it once per epoch
                     return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=False,
                                 on_epoch=on_epoch, **kw)
+                if logger and trainer.logger is None:
+                    # Lightning's own warning: it is not given logger=True to see it.
+                    rank_zero_warn(
+                        f"You called `self.log({name!r}, ..., logger=True)` but have no logger "
+                        "configured. You can enable one by doing `Trainer(logger=ALogger(...))`")
                 logger = True if logger is None else logger
                 entry = cb._keys.get(f"{fx}.{name}")
                 if entry is not None and entry[1:] != (prog_bar, logger):
