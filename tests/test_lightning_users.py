@@ -582,3 +582,44 @@ def test_wandb_logger_offline(tmp_path, device, monkeypatch):
                             callbacks=lambda root: [LearningRateMonitor()], log_every_n_steps=2)
     assert len(native["wandb0"]) == len(native["csv1"]) - 1 > 10
     assert_same(native, fast)
+
+
+class Wide(Base):
+    """Many metrics per batch (per-class scores, grad norms of a deep model): more than one
+    gather kernel holds."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True)
+        scores = torch.sigmoid(self.net.weight.sum() * torch.arange(260.0, device=self.device))
+        self.log_dict({f"class_{i}": scores[i] for i in range(250)})
+        self.log_dict({f"epoch_{i}": scores[250 + i] for i in range(10)}, on_step=True,
+                      on_epoch=True)
+        return loss
+
+
+def test_hundreds_of_metrics_per_batch(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Wide, log_every_n_steps=2, val=False,
+                            loggers=("csv",), max_epochs=1, train=lambda: _data(16, 4))
+    assert len(native["csv0"][0]) == 1 + 250 + 20 + 2 and len(native["csv0"]) == 4
+    assert_same(native, fast)
+
+
+class StepKey(Base):
+    """Lightning's documented override of the logger step: a metric named `step`; and a metric
+    named `time`."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("step", float(self.current_epoch * 100 + batch_idx))
+        self.log("time", float(batch_idx) / 10)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+
+def test_metrics_named_step_and_time(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, StepKey, log_every_n_steps=1)
+    head = native["csv0"][0]
+    steps = [r[head.index("step")] for r in native["csv0"][1:] if r[head.index("loss")]]
+    assert steps[:3] == ["0", "1", "2"] and steps[8] == "100"
+    assert_same(native, fast)

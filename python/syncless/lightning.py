@@ -58,6 +58,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ._delivery import RESERVED
+from ._torch import MAX_CELLS
 from .logger import Logger
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
@@ -71,10 +73,15 @@ _STEP_HOOKS = frozenset({
 
 _classes: dict[str, type] = {}
 
+# Lightning metric names that syncless keeps for its rows' own fields ("step", "time"): the
+# Logger's column for each, and back.
+_COLUMN = {name: f"lightning/{name}" for name in RESERVED}
+_NAME = {column: name for name, column in _COLUMN.items()}
+
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("step", "epoch", "ready", "ended", "accumulating", "log_now", "keys", "has_row")
+    __slots__ = ("step", "epoch", "ready", "ended", "accumulating", "log_now", "keys", "rows")
 
     def __init__(self, step: int, epoch: int, ready: int):
         self.step = step                 # the step Lightning's log_metrics would use
@@ -84,7 +91,7 @@ class _Batch:
         self.accumulating = False
         self.log_now = False
         self.keys: tuple = ()
-        self.has_row = False
+        self.rows = 0                    # Logger rows of this batch (one per MAX_CELLS metrics)
 
 
 class _Direct:
@@ -92,7 +99,7 @@ class _Direct:
     `self.logger.log_metrics`, ...) while step rows logged before it were still on their way: it
     waits for them, so that the logger sees the calls in Lightning's order."""
     __slots__ = ("logger", "metrics", "step")
-    has_row = False
+    rows = 0
     log_now = False
 
     def __init__(self, logger: Any, metrics: dict, step: int | None):
@@ -127,7 +134,9 @@ def _build(pkg_name: str) -> type:
 
         every: batches per device-to-host copy (how late the progress bar and loggers are).
         sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
-            Lightning's step, from the delivery thread.
+            Lightning's step, from the delivery thread. A metric named `step` or `time` (the
+            rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
+            metrics than one gather kernel holds (248) comes as several rows at its step.
         """
 
         def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
@@ -258,10 +267,13 @@ def _build(pkg_name: str) -> type:
                 batch.keys = tuple(entry[0] for key, entry in self._keys.items()
                                    if entry[2] and _valid(results.get(key)))
             if self._pending:
-                batch.has_row = True
                 # Rows are matched to batches by order; the step is Lightning's (equal steps
-                # under gradient accumulation are fine).
-                self.syncless.log(self._pending, step=batch.step)
+                # under gradient accumulation are fine). Names syncless keeps for its own row
+                # fields go in under another; a batch wider than one kernel takes several rows.
+                items = [(_COLUMN.get(k, k), v) for k, v in self._pending.items()]
+                for at in range(0, len(items), MAX_CELLS):
+                    self.syncless.log(dict(items[at:at + MAX_CELLS]), step=batch.step)
+                    batch.rows += 1
                 self._pending = {}
             self._batches.append(batch)
 
@@ -278,14 +290,17 @@ def _build(pkg_name: str) -> type:
             batches = self._batches
             while batches:
                 batch = batches[0]
-                if batch.has_row:
-                    if not rows:
+                if batch.rows:
+                    if len(rows) < batch.rows:
                         break
-                    row = rows.popleft()
-                    self._current.update(row.values)
-                    for k, v in row.values.items():
-                        if k in self._pbar_keys:
-                            pbar[k] = v
+                    for _ in range(batch.rows):
+                        values = rows.popleft().values
+                        if _NAME.keys() & values.keys():
+                            values = {_NAME.get(k, k): v for k, v in values.items()}
+                        self._current.update(values)
+                        for k, v in values.items():
+                            if k in self._pbar_keys:
+                                pbar[k] = v
                 batches.popleft()
                 if isinstance(batch, _Direct):
                     self._send(batch.logger, batch.metrics, batch.step)
