@@ -55,10 +55,14 @@ class Base(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def _nan(x):
+    return "nan" if x != x else x          # NaN == NaN for the comparisons
+
+
 def _value(v):
     if isinstance(v, torch.Tensor):
-        return ("tensor", str(v.dtype), v.device.type, v.item())
-    return (type(v).__name__, v)
+        return ("tensor", str(v.dtype), v.device.type, _nan(v.item()))
+    return (type(v).__name__, _nan(v))
 
 
 def _csv_rows(lg):
@@ -73,7 +77,7 @@ def _tb_scalars(lg):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(lg.log_dir)
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return {tag: [(e.step, _nan(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _wandb_settings():
@@ -141,8 +145,10 @@ def _forget_warnings():
     for name, mod in list(sys.modules.items()):
         if name.startswith(("lightning", "pytorch_lightning")):
             for value in list(vars(mod).values()):
-                if isinstance(value, WarningCache):
-                    value.clear()
+                caches = vars(value).values() if isinstance(value, type) else (value,)
+                for cache in caches:
+                    if isinstance(cache, WarningCache):
+                        cache.clear()
 
 
 def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], before=lambda root: [],
@@ -622,4 +628,52 @@ def test_metrics_named_step_and_time(tmp_path, device):
     head = native["csv0"][0]
     steps = [r[head.index("step")] for r in native["csv0"][1:] if r[head.index("loss")]]
     assert steps[:3] == ["0", "1", "2"] and steps[8] == "100"
+    assert_same(native, fast)
+
+
+class Irregular(Base):
+    """What real loops do now and then: skip a batch (training_step returns None), log a NaN,
+    stop the epoch early from on_train_batch_start (-1), stop training from a hook."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.current_epoch == 1 and batch_idx == 5:
+            return -1                                     # the rest of this epoch is skipped
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        self.log("maybe_nan", loss if batch_idx != 2 else loss * float("nan"))
+        if batch_idx == 3:
+            return None                                   # skipped: no optimizer step
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.current_epoch == 2 and batch_idx == 4:
+            self.trainer.should_stop = True
+
+
+def test_skipped_batches_nan_and_should_stop(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Irregular, max_epochs=4, log_every_n_steps=2,
+                            callbacks=lambda root: [EarlyStopping("maybe_nan", patience=5,
+                                                                  check_on_train_epoch_end=True)])
+    head = native["csv0"][0]
+    assert "nan" in [r[head.index("maybe_nan")] for r in native["csv0"][1:]]
+    assert native["steps"][1] < 4
+    assert_same(native, fast)
+
+
+class Timed(OnStepEpoch):
+    pass
+
+
+def test_timer_callback_and_max_time(tmp_path, device):
+    """Lightning's Timer stops from on_train_batch_end; here after a fixed number of batches,
+    through the same should_stop flag a time limit sets."""
+    class StopAfter(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 11:
+                trainer.should_stop = True
+    native, fast = fit_both(tmp_path, device, Timed, max_epochs=3, log_every_n_steps=5,
+                            callbacks=lambda root: [StopAfter()])
+    assert native["steps"][0] == 11
     assert_same(native, fast)

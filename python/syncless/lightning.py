@@ -81,12 +81,15 @@ _NAME = {column: name for name, column in _COLUMN.items()}
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("step", "epoch", "ready", "ended", "accumulating", "log_now", "keys", "rows")
+    __slots__ = ("step", "epoch", "completed", "ended", "accumulating", "log_now", "keys", "rows")
 
-    def __init__(self, step: int, epoch: int, ready: int):
+    def __init__(self, step: int, epoch: int, completed: int):
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
-        self.ready = ready               # Lightning's count of batches begun, this one included
+        # Lightning's count of completed batches when this one began: it grows once Lightning
+        # has logged this batch's step metrics. (Not a comparison with its count of batches
+        # begun: a batch skipped by on_train_batch_start returning -1 is begun, never completed.)
+        self.completed = completed
         self.ended = False               # reached on_train_batch_end (not cut by an exception)
         self.accumulating = False
         self.log_now = False
@@ -243,12 +246,14 @@ def _build(pkg_name: str) -> type:
             self._close_finished(trainer)
             if self._open is None:
                 progress = trainer.fit_loop.epoch_loop.batch_progress.total
-                self._open = _Batch(_logger_step(trainer), trainer.current_epoch, progress.ready)
+                self._open = _Batch(_logger_step(trainer), trainer.current_epoch,
+                                    progress.completed)
 
         def _close_finished(self, trainer: Any) -> None:
             batch = self._open
             if (batch is not None
-                    and trainer.fit_loop.epoch_loop.batch_progress.total.completed >= batch.ready):
+                    and trainer.fit_loop.epoch_loop.batch_progress.total.completed
+                    > batch.completed):
                 self._close_batch(trainer)
 
         def _close_batch(self, trainer: Any) -> None:
