@@ -666,14 +666,19 @@ class Timed(OnStepEpoch):
     pass
 
 
-def test_timer_callback_and_max_time(tmp_path, device):
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_train_batch_start"])
+def test_should_stop_from_a_callback(tmp_path, device, hook):
     """Lightning's Timer stops from on_train_batch_end; here after a fixed number of batches,
-    through the same should_stop flag a time limit sets."""
+    through the same should_stop flag a time limit sets; also from on_train_batch_start of a
+    callback that runs before ours."""
     class StopAfter(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 11:
-                trainer.should_stop = True
+        pass
+
+    def stop(self, trainer, pl_module, *args):
+        if trainer.global_step == 11:
+            trainer.should_stop = True
+    setattr(StopAfter, hook, stop)
     native, fast = fit_both(tmp_path, device, Timed, max_epochs=3, log_every_n_steps=5,
-                            callbacks=lambda root: [StopAfter()])
-    assert native["steps"][0] == 11
+                            before=lambda root: [StopAfter()])
+    assert native["steps"][0] == (11 if hook == "on_train_batch_end" else 12)
     assert_same(native, fast)

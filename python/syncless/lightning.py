@@ -81,18 +81,12 @@ _NAME = {column: name for name, column in _COLUMN.items()}
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("step", "epoch", "completed", "ended", "accumulating", "log_now", "keys", "rows")
+    __slots__ = ("step", "epoch", "log_now", "keys", "rows")
 
-    def __init__(self, step: int, epoch: int, completed: int):
+    def __init__(self, step: int, epoch: int):
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
-        # Lightning's count of completed batches when this one began: it grows once Lightning
-        # has logged this batch's step metrics. (Not a comparison with its count of batches
-        # begun: a batch skipped by on_train_batch_start returning -1 is begun, never completed.)
-        self.completed = completed
-        self.ended = False               # reached on_train_batch_end (not cut by an exception)
-        self.accumulating = False
-        self.log_now = False
+        self.log_now = False             # Lightning logs this batch's step metrics
         self.keys: tuple = ()
         self.rows = 0                    # Logger rows of this batch (one per MAX_CELLS metrics)
 
@@ -161,6 +155,7 @@ def _build(pkg_name: str) -> type:
             self._pbar_keys: set[str] = set()
             self._loggers: list = []             # (logger, its own log_metrics, was patched)
             self._trainer: Any = None            # weakref to the trainer the keys belong to
+            self._connector: Any = None          # (its logger connector, was patched, own method)
 
         # ---- the log replacement ------------------------------------------------------------
 
@@ -224,7 +219,8 @@ def _build(pkg_name: str) -> type:
             metric = _train_results(trainer).get(key)
             if metric is None:                       # Lightning chose not to log it
                 return
-            self._own_batch(trainer)
+            if self._open is None:                   # the batch's first value
+                self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
             entry = self._keys.get(key)
             if entry is None:
                 entry = self._keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
@@ -239,38 +235,35 @@ def _build(pkg_name: str) -> type:
 
         # ---- batches ----------------------------------------------------------------------
 
-        def _own_batch(self, trainer: Any) -> None:
-            """Makes the open batch Lightning's current one: a batch Lightning has completed (its
-            step metrics logged) is closed; a new one is opened by whichever comes first, our
-            on_train_batch_start or a `self.log` from a hook that runs before it."""
-            self._close_finished(trainer)
-            if self._open is None:
-                progress = trainer.fit_loop.epoch_loop.batch_progress.total
-                self._open = _Batch(_logger_step(trainer), trainer.current_epoch,
-                                    progress.completed)
-
-        def _close_finished(self, trainer: Any) -> None:
-            batch = self._open
-            if (batch is not None
-                    and trainer.fit_loop.epoch_loop.batch_progress.total.completed
-                    > batch.completed):
-                self._close_batch(trainer)
-
-        def _close_batch(self, trainer: Any) -> None:
+        def _step_end(self, trainer: Any) -> None:
+            """Where Lightning decides to log a training batch's step metrics (its
+            update_train_step_metrics, after every on_train_batch_end hook): the batch closes
+            here, logged to the loggers if and only if Lightning would log it."""
             batch = self._open
             if batch is None:
                 return
-            self._open = None
-            n = trainer.log_every_n_steps
-            should = n != 0 and ((batch.step + 1) % n == 0 or trainer.should_stop)
-            batch.log_now = (batch.ended and not batch.accumulating and bool(trainer.loggers)
-                             and (should or bool(trainer.fast_dev_run)))
+            connector = trainer._logger_connector
+            batch.log_now = (
+                not (trainer.fit_loop._should_accumulate()
+                     and trainer.lightning_module.automatic_optimization)
+                and bool(trainer.loggers)
+                and (connector.should_update_logs or bool(trainer.fast_dev_run)))
             if batch.log_now:
                 # The keys Lightning's log_metrics would send now: every on-step logger key
                 # still valid in this epoch (host bookkeeping only, no tensor is read).
                 results = _train_results(trainer)
                 batch.keys = tuple(entry[0] for key, entry in self._keys.items()
                                    if entry[2] and _valid(results.get(key)))
+            self._close_batch(trainer)
+
+        def _close_batch(self, trainer: Any) -> None:
+            """Hands the batch's values to the Logger; a batch Lightning did not reach the end
+            of (skipped by on_train_batch_start returning -1, cut by an exception) is not sent
+            to the loggers, as in Lightning."""
+            batch = self._open
+            if batch is None:
+                return
+            self._open = None
             if self._pending:
                 # Rows are matched to batches by order; the step is Lightning's (equal steps
                 # under gradient accumulation are fine). Names syncless keeps for its own row
@@ -345,7 +338,6 @@ def _build(pkg_name: str) -> type:
 
                 def log_metrics(metrics: Any, step: int | None = None, _lg: Any = lg,
                                 _own: Any = own) -> None:
-                    cb._close_finished(trainer)
                     if cb._batches and not cb.syncless.closed:
                         cb._batches.append(_Direct(_lg, dict(metrics), step))
                         cb._drain(trainer)
@@ -355,6 +347,17 @@ def _build(pkg_name: str) -> type:
                 self._loggers.append((lg, own, "log_metrics" in vars(lg)))
                 lg.log_metrics = log_metrics
 
+            connector = trainer._logger_connector
+            own_update = connector.update_train_step_metrics
+
+            def update_train_step_metrics() -> None:
+                cb._step_end(trainer)
+                own_update()          # logs nothing of ours: our keys' logger flags are off
+
+            self._connector = (connector, "update_train_step_metrics" in vars(connector),
+                               own_update)
+            connector.update_train_step_metrics = update_train_step_metrics
+
         def _unwatch_loggers(self) -> None:
             for lg, own, patched in self._loggers:
                 if patched:
@@ -362,6 +365,13 @@ def _build(pkg_name: str) -> type:
                 else:
                     vars(lg).pop("log_metrics", None)
             self._loggers = []
+            if self._connector is not None:
+                connector, patched, own = self._connector
+                if patched:
+                    connector.update_train_step_metrics = own
+                else:
+                    vars(connector).pop("update_train_step_metrics", None)
+                self._connector = None
 
         def _set_flags(self, trainer: Any, on: bool) -> None:
             """Lightning reads step values only for metas with prog_bar/logger set: those are
@@ -401,15 +411,10 @@ def _build(pkg_name: str) -> type:
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
-            self._own_batch(trainer)
             self._drain(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            if self._open is not None:
-                self._open.ended = True
-                self._open.accumulating = (trainer.fit_loop._should_accumulate()
-                                           and pl_module.automatic_optimization)
             self._drain(trainer)
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
