@@ -682,3 +682,42 @@ def test_should_stop_from_a_callback(tmp_path, device, hook):
                             before=lambda root: [StopAfter()])
     assert native["steps"][0] == (11 if hook == "on_train_batch_end" else 12)
     assert_same(native, fast)
+
+
+class Tunable(OnStepEpoch):
+    def __init__(self, lr=0.1, batch_size=4):
+        super().__init__(lr)
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return _data(32, self.batch_size)
+
+    def val_dataloader(self):
+        return _data(16, 8, seed=1)
+
+
+@pytest.mark.parametrize("tune", ["lr_find", "scale_batch_size", "LearningRateFinder"])
+def test_tuner_then_fit(tmp_path, device, tune):
+    """The tutorials' Tuner runs short fits of their own with the loggers swapped for a
+    DummyLogger: none of their steps may reach the real loggers."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import Tuner
+    suggested = {}
+
+    def fit(trainer, module, train, val, root):
+        if tune == "lr_find":
+            finder = Tuner(trainer).lr_find(module, num_training=12, update_attr=True)
+            suggested[root.name] = finder.results["loss"]
+        elif tune == "scale_batch_size":
+            suggested[root.name] = Tuner(trainer).scale_batch_size(module, max_trials=2,
+                                                                   steps_per_trial=3)
+        trainer.fit(module)
+
+    def callbacks(root):
+        if tune != "LearningRateFinder":
+            return []
+        return [LearningRateFinder(num_training_steps=12)]
+    native, fast = fit_both(tmp_path, device, Tunable, fit=fit, callbacks=callbacks)
+    assert suggested.get("syncless") == suggested.get("native")
+    assert native["steps"][0] == 16
+    assert_same(native, fast)

@@ -177,7 +177,10 @@ def _build(pkg_name: str) -> type:
                 fx = pl_module._current_fx_name
                 trainer = pl_module._trainer
                 if (fx not in _STEP_HOOKS or trainer is None or not trainer.training
-                        or trainer.barebones or cb.syncless is None):
+                        or trainer.barebones or cb.syncless is None
+                        or cb not in trainer.callbacks):
+                    # Not a training batch of ours. (The Tuner's runs, inside our fit or not,
+                    # swap the callbacks and the loggers out: they log as without us.)
                     return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
                                 on_epoch=on_epoch, **kw)
                 on_step, on_epoch = FxValidator.check_logging_and_get_default_levels(
@@ -191,7 +194,16 @@ def _build(pkg_name: str) -> type:
                         f"You called `self.log({name!r}, ..., logger=True)` but have no logger "
                         "configured. You can enable one by doing `Trainer(logger=ALogger(...))`")
                 logger = True if logger is None else logger
-                entry = cb._keys.get(f"{fx}.{name}")
+                key = f"{fx}.{name}"
+                entry = cb._keys.get(key)
+                if entry is None:
+                    metric = _train_results(trainer).get(key)
+                    if metric is not None:
+                        # Logged by Lightning alone before (a Tuner's run): the user's flags
+                        # are on its meta; from now on they are ours to keep off.
+                        entry = (None, metric.meta.prog_bar, metric.meta.logger)
+                        if entry[1:] == (prog_bar, logger):
+                            metric.meta.prog_bar = metric.meta.logger = False
                 if entry is not None and entry[1:] != (prog_bar, logger):
                     # Lightning compares the arguments we now pass it as False: compare the user's.
                     raise Misconfiguration(
@@ -240,7 +252,7 @@ def _build(pkg_name: str) -> type:
             update_train_step_metrics, after every on_train_batch_end hook): the batch closes
             here, logged to the loggers if and only if Lightning would log it."""
             batch = self._open
-            if batch is None:
+            if batch is None or self not in trainer.callbacks:
                 return
             connector = trainer._logger_connector
             batch.log_now = (
@@ -269,8 +281,11 @@ def _build(pkg_name: str) -> type:
                 # under gradient accumulation are fine). Names syncless keeps for its own row
                 # fields go in under another; a batch wider than one kernel takes several rows.
                 items = [(_COLUMN.get(k, k), v) for k, v in self._pending.items()]
+                # Lightning's step can go back within a fit (a loop state loaded again); the
+                # loggers get batch.step, a Logger row never goes behind the one before it.
+                step = max(batch.step, self.syncless.last_step)
                 for at in range(0, len(items), MAX_CELLS):
-                    self.syncless.log(dict(items[at:at + MAX_CELLS]), step=batch.step)
+                    self.syncless.log(dict(items[at:at + MAX_CELLS]), step=step)
                     batch.rows += 1
                 self._pending = {}
             self._batches.append(batch)
