@@ -721,3 +721,31 @@ def test_tuner_then_fit(tmp_path, device, tune):
     assert suggested.get("syncless") == suggested.get("native")
     assert native["steps"][0] == 16
     assert_same(native, fast)
+
+
+def test_callback_pickles_and_copies_after_fit(tmp_path, device):
+    """ddp_spawn pickles the trainer with its callbacks, some code deep-copies callbacks: after a
+    fit, a copy carries the settings and fits as the original did."""
+    import copy
+    import pickle
+    rows = {}
+    for kind in ("original", "pickled", "deepcopied"):
+        pl.seed_everything(0, verbose=False)
+        if kind == "original":
+            cb = SynclessLogging(every=3)
+        elif kind == "pickled":
+            cb = pickle.loads(pickle.dumps(used))
+        else:
+            cb = copy.deepcopy(used)
+        trainer = pl.Trainer(max_epochs=1, callbacks=[cb], logger=CSVLogger(tmp_path / kind),
+                             log_every_n_steps=1, enable_progress_bar=False,
+                             enable_checkpointing=False, enable_model_summary=False,
+                             accelerator="cpu" if device == "cpu" else "gpu", devices=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(OnStepEpoch(), _data())
+        used = cb
+        assert cb.every == 3 and cb.syncless.closed
+        rows[kind] = _csv_rows(trainer.logger)
+    assert len(rows["original"]) == 1 + 8 + 1
+    assert rows["pickled"] == rows["deepcopied"] == rows["original"]

@@ -157,6 +157,14 @@ def _build(pkg_name: str) -> type:
             self._trainer: Any = None            # weakref to the trainer the keys belong to
             self._connector: Any = None          # (its logger connector, was patched, own method)
 
+        def __getstate__(self) -> dict:
+            # What a pickle or deepcopy carries (ddp_spawn pickles the trainer with its
+            # callbacks): the settings; a fit's Logger, thread and hooks are its own.
+            return {"every": self.every, "sinks": self._user_sinks}
+
+        def __setstate__(self, state: dict) -> None:
+            self.__init__(state["every"], state["sinks"])
+
         # ---- the log replacement ------------------------------------------------------------
 
         def _install(self, pl_module: Any) -> None:
