@@ -749,3 +749,33 @@ def test_callback_pickles_and_copies_after_fit(tmp_path, device):
         rows[kind] = _csv_rows(trainer.logger)
     assert len(rows["original"]) == 1 + 8 + 1
     assert rows["pickled"] == rows["deepcopied"] == rows["original"]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.x, self.y = _data(n, 1).dataset.tensors
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+class IterModel(Base):
+    """`training_step(self, dataloader_iter)` (Lightning's hook for custom fetching): it pulls
+    its own batches and gives batch_size to self.log."""
+
+    def training_step(self, dataloader_iter):
+        (x, y), _batch_idx, _dataloader_idx = next(dataloader_iter)
+        loss = F.binary_cross_entropy_with_logits(self.net(x), y)
+        self.log("loss", loss, prog_bar=True, batch_size=len(x), on_step=True, on_epoch=True)
+        return loss
+
+
+@pytest.mark.parametrize("model", [OnStepEpoch, IterModel], ids=["batches", "dataloader_iter"])
+def test_iterable_dataset_and_step_based_validation(tmp_path, device, model):
+    """An IterableDataset (no length), validation every 5 steps, max_steps over two passes."""
+    native, fast = fit_both(
+        tmp_path, device, model, train=lambda: DataLoader(Stream(32), batch_size=4),
+        val_check_interval=5, check_val_every_n_epoch=None, max_steps=14, max_epochs=-1,
+        log_every_n_steps=2)
+    assert native["steps"][0] == 14 and any(r[-1] for r in native["csv0"][1:])
+    assert_same(native, fast)
