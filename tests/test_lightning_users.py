@@ -417,6 +417,13 @@ def test_tqdm_bar(tmp_path, device):
     assert "train_loss_epoch" in native["bar0"][0]
     seen_native, seen_fast = native.pop("seen1"), fast.pop("seen1")
     assert len(seen_fast) == len(seen_native) == 16
+
+    def shown(postfix):
+        return dict(item.split("=") for item in postfix.split(", "))["train_loss_step"]
+    history = [shown(p) for p in seen_native]
+    late = [i - history.index(shown(p)) for i, p in enumerate(seen_fast) if "train_loss" in p]
+    # Values the plain bar showed at the same or an earlier batch, at most a window late.
+    assert len(late) >= 12 and 0 <= min(late) and max(late) <= 4
     assert_same(native, fast)
 
 
@@ -778,4 +785,26 @@ def test_iterable_dataset_and_step_based_validation(tmp_path, device, model):
         val_check_interval=5, check_val_every_n_epoch=None, max_steps=14, max_epochs=-1,
         log_every_n_steps=2)
     assert native["steps"][0] == 14 and any(r[-1] for r in native["csv0"][1:])
+    assert_same(native, fast)
+
+
+class Prefixed(Base):
+    """A module that overrides `log` to put every key under a prefix (a common base class in
+    research code), and logs through it."""
+
+    def log(self, name, value, *args, **kwargs):
+        stage = "train" if self.trainer.training else "val"
+        super().log(f"{stage}/{name}", value, *args, **kwargs)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True)
+        self.log_dict({"acc": 1 - loss, "lr": 0.1}, on_step=True, on_epoch=True)
+        return loss
+
+
+def test_module_overriding_log(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, Prefixed, log_every_n_steps=2)
+    assert {"train/loss", "train/acc_step", "train/lr_epoch", "val/val_loss"} <= \
+        set(native["csv0"][0])
     assert_same(native, fast)

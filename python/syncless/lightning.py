@@ -117,12 +117,8 @@ class _Rows:
 
 def _build(pkg_name: str) -> type:
     pl = importlib.import_module(pkg_name)
-    fx_validator = importlib.import_module(
-        f"{pkg_name}.trainer.connectors.logger_connector.fx_validator")
     result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
-    FxValidator = fx_validator._FxValidator
     default_dtype = result._get_default_dtype
-    rank_zero_warn = importlib.import_module(f"{pkg_name}.utilities.rank_zero").rank_zero_warn
     Misconfiguration = importlib.import_module(
         f"{pkg_name}.utilities.exceptions").MisconfigurationException
 
@@ -146,7 +142,7 @@ def _build(pkg_name: str) -> type:
             self.syncless: Logger | None = None
             self._rows = _Rows()
             self._module: Any = None
-            self._orig_log: Any = None
+            self._results: Any = None
             self._keys: dict[str, tuple] = {}     # result key -> (forked name, prog_bar, logger)
             self._pending: dict[str, Any] = {}
             self._open: _Batch | None = None
@@ -167,75 +163,72 @@ def _build(pkg_name: str) -> type:
 
         # ---- the log replacement ------------------------------------------------------------
 
-        def _install(self, pl_module: Any) -> None:
-            orig = type(pl_module).log.__get__(pl_module)
+        def _ours(self, trainer: Any, fx: str | None) -> bool:
+            """A training batch hook of a fit we run in. (The Tuner's trial runs, inside our fit
+            or not, swap the callbacks and loggers out: they log as they would without us.)"""
+            return (fx in _STEP_HOOKS and trainer.training and self.syncless is not None
+                    and self in trainer.callbacks)
+
+        def _install(self, trainer: Any, pl_module: Any) -> None:
+            """Two wrappers for the fit. The module's `log` only turns a Python number into a
+            device tensor with torch.full (a kernel argument instead of torch.tensor(v,
+            device=...)'s pageable copy); everything else reaches Lightning's own `log` (or the
+            user's override of it) as given. The training results' `log`, where every
+            `self.log` ends with its final key, on_step and flags, sends on-step values to
+            Lightning with prog_bar and logger off, and records them for the syncless Logger."""
             cb = self
+            own_module_log = type(pl_module).log.__get__(pl_module)
 
             @torch.compiler.disable
-            def log(name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-                    on_step: bool | None = None, on_epoch: bool | None = None,
-                    reduce_fx: Any = "mean", enable_graph: bool = False, sync_dist: bool = False,
-                    sync_dist_group: Any = None, add_dataloader_idx: bool = True,
-                    batch_size: int | None = None, metric_attribute: str | None = None,
-                    rank_zero_only: bool = False) -> None:
-                kw = dict(reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
-                          sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
-                          batch_size=batch_size, metric_attribute=metric_attribute,
-                          rank_zero_only=rank_zero_only)
-                fx = pl_module._current_fx_name
-                trainer = pl_module._trainer
-                if (fx not in _STEP_HOOKS or trainer is None or not trainer.training
-                        or trainer.barebones or cb.syncless is None
-                        or cb not in trainer.callbacks):
-                    # Not a training batch of ours. (The Tuner's runs, inside our fit or not,
-                    # swap the callbacks and the loggers out: they log as without us.)
-                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
-                                on_epoch=on_epoch, **kw)
-                on_step, on_epoch = FxValidator.check_logging_and_get_default_levels(
-                    fx, on_step=on_step, on_epoch=on_epoch)
-                if not on_step:          # epoch-only: Lightning reads it once per epoch
-                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=False,
-                                on_epoch=on_epoch, **kw)
-                if logger and trainer.logger is None:
-                    # Lightning's own warning: it is not given logger=True to see it.
-                    rank_zero_warn(
-                        f"You called `self.log({name!r}, ..., logger=True)` but have no logger "
-                        "configured. You can enable one by doing `Trainer(logger=ALogger(...))`")
-                logger = True if logger is None else logger
+            def module_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+                if (isinstance(value, numbers.Number) and pl_module._trainer is not None
+                        and cb._ours(pl_module._trainer, pl_module._current_fx_name)):
+                    value = torch.full((), float(value), dtype=default_dtype(),
+                                       device=pl_module.device)
+                return own_module_log(name, value, *args, **kwargs)
+
+            results = _train_results(trainer)
+            own_results_log = results.log
+
+            @torch.compiler.disable
+            def results_log(fx: str, name: str, value: Any, prog_bar: bool = False,
+                            logger: bool = True, on_step: bool = False, on_epoch: bool = True,
+                            **kw: Any) -> None:
+                if not on_step or not cb._ours(trainer, fx):
+                    return own_results_log(fx, name, value, prog_bar=prog_bar, logger=logger,
+                                           on_step=on_step, on_epoch=on_epoch, **kw)
                 key = f"{fx}.{name}"
+                if kw.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+                    key += f".{results.dataloader_idx}"
                 entry = cb._keys.get(key)
-                if entry is None:
-                    metric = _train_results(trainer).get(key)
-                    if metric is not None:
-                        # Logged by Lightning alone before (a Tuner's run): the user's flags
-                        # are on its meta; from now on they are ours to keep off.
-                        entry = (None, metric.meta.prog_bar, metric.meta.logger)
-                        if entry[1:] == (prog_bar, logger):
-                            metric.meta.prog_bar = metric.meta.logger = False
+                if entry is None and key in results:
+                    # Logged by Lightning alone before (a Tuner's run): the user's flags are
+                    # on its meta; from now on they are ours to keep off.
+                    meta = results[key].meta
+                    entry = (None, meta.prog_bar, meta.logger)
+                    if entry[1:] == (prog_bar, logger):
+                        meta.prog_bar = meta.logger = False
                 if entry is not None and entry[1:] != (prog_bar, logger):
-                    # Lightning compares the arguments we now pass it as False: compare the user's.
+                    # Lightning compares the flags we pass it, always off: compare the user's.
                     raise Misconfiguration(
                         f"You called `self.log({name}, ...)` twice in `{fx}` with different "
                         "arguments. This is not allowed")
-                if isinstance(value, numbers.Number):
-                    # A kernel argument instead of torch.tensor(v, device=...)'s pageable copy.
-                    value = torch.full((), float(value), dtype=default_dtype(),
-                                       device=pl_module.device)
-                orig(name, value, prog_bar=False, logger=False, on_step=True, on_epoch=on_epoch,
-                     **kw)
-                cb._record(trainer, fx, name, prog_bar, logger)
+                own_results_log(fx, name, value, prog_bar=False, logger=False, on_step=True,
+                                on_epoch=on_epoch, **kw)
+                cb._record(trainer, key, prog_bar, logger)
 
+            pl_module.__dict__["log"] = module_log
+            results.__dict__["log"] = results_log
             self._module = pl_module
-            self._orig_log = orig
-            pl_module.__dict__["log"] = log
+            self._results = results
 
         def _uninstall(self) -> None:
             if self._module is not None:
                 self._module.__dict__.pop("log", None)
-                self._module = None
+                self._results.__dict__.pop("log", None)
+                self._module = self._results = None
 
-        def _record(self, trainer: Any, fx: str, name: str, prog_bar: bool, logger: bool) -> None:
-            key = f"{fx}.{name}"
+        def _record(self, trainer: Any, key: str, prog_bar: bool, logger: bool) -> None:
             metric = _train_results(trainer).get(key)
             if metric is None:                       # Lightning chose not to log it
                 return
@@ -426,7 +419,7 @@ def _build(pkg_name: str) -> type:
             self._batches.clear()
             self._rows.rows.clear()
             self._current.clear()
-            self._install(pl_module)
+            self._install(trainer, pl_module)
             self._watch_loggers(trainer)
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
