@@ -231,6 +231,9 @@ class WithMetrics(Base):
         self.train_metrics = torchmetrics.MetricCollection(
             {"f1": torchmetrics.classification.BinaryF1Score(),
              "prec": torchmetrics.classification.BinaryPrecision()}, prefix="train_")
+        self.train_auroc = torchmetrics.MetricCollection(
+            [torchmetrics.classification.BinaryAUROC(),
+             torchmetrics.classification.BinaryRecall()], prefix="tr_")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -239,6 +242,8 @@ class WithMetrics(Base):
         self.train_acc(logits, y.int())
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
         self.log_dict(self.train_metrics(logits, y.int()))          # a dict of tensors
+        self.train_auroc(logits, y.int())
+        self.log_dict(self.train_auroc, on_step=True, on_epoch=True)  # the collection itself
         self.log("loss", loss)
         return loss
 
@@ -255,7 +260,8 @@ def test_torchmetrics_objects(tmp_path, device):
         callbacks=lambda root: [ModelCheckpoint(root / "ck", monitor="train_acc_epoch",
                                                 mode="max", filename="{epoch}-{train_acc_epoch}")],
         enable_checkpointing=True)
-    assert "train_acc_step" in native["csv0"][0] and "train_f1" in native["csv0"][0]
+    assert {"train_acc_step", "train_f1", "tr_BinaryAUROC_step", "tr_BinaryRecall_epoch",
+            "val_acc"} <= set(native["csv0"][0])
     assert_same(native, fast)
 
 
