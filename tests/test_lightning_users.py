@@ -814,3 +814,25 @@ def test_module_overriding_log(tmp_path, device):
     assert {"train/loss", "train/acc_step", "train/lr_epoch", "val/val_loss"} <= \
         set(native["csv0"][0])
     assert_same(native, fast)
+
+
+def test_throughput_monitor_rows_keep_their_place(tmp_path, device):
+    """ThroughputMonitor logs through Lightning's connector from on_train_batch_end: its rows
+    stay where they were among the step rows (its timings differ run to run: masked)."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    def monitor(root):
+        return [ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=2)]
+    native, fast = fit_both(tmp_path, device, OnStepEpoch, callbacks=monitor, log_every_n_steps=2,
+                            loggers=("csv",))
+
+    def masked(rows):
+        timed = [i for i, name in enumerate(rows[0]) if "time" in name or "per_sec" in name]
+        return [[v if i not in timed or not v else "<t>" for i, v in enumerate(r)]
+                for r in rows]
+    assert "train/samples" in native["csv0"][0]
+    assert masked(fast.pop("csv0")) == masked(native.pop("csv0"))
+    for seen in (native, fast):
+        seen["logged_metrics"] = {k: v for k, v in seen["logged_metrics"].items()
+                                  if "time" not in k and "per_sec" not in k}
+    assert_same(native, fast)

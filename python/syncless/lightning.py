@@ -12,29 +12,50 @@ progress bar asks for `trainer.progress_bar_metrics`; `_LoggerConnector.log_metr
 step value before any Lightning `Logger` sees it (every `log_every_n_steps`); a Python float given
 to `self.log` becomes `torch.tensor(v, device=...)`, a pageable host-to-device copy.
 
-What the callback changes. During training (`training_step`, `on_train_batch_start/end`, the
-backward and optimizer hooks) it replaces the module's `log` with one that
+What the callback changes, for the fit it runs in. Every `self.log` ends in the training
+results' `log` (Lightning's `_ResultCollection.log`) with its final key, `on_step` and flags,
+whatever the module did on the way (a `log` override that prefixes keys, `log_dict`, a
+torchmetrics object, a Callback calling `pl_module.log`). There, for an on-step value logged in
+a training batch (`training_step`, `on_train_batch_start/end`, the backward and optimizer hooks),
+the callback
 
 - still calls Lightning's own `log`, with `prog_bar=False, logger=False`: Lightning keeps the
   tensor, its `on_epoch` reduction, `sync_dist`, `trainer.callback_metrics` and so every
-  ModelCheckpoint/EarlyStopping `monitor` key exactly as before, and never reads the step value;
+  ModelCheckpoint/EarlyStopping `monitor` key exactly as before, and never reads the step value
+  (a key logged again with other prog_bar/logger flags raises Lightning's
+  MisconfigurationException, as without the callback);
 - hands the value Lightning stored for the step (after its float32 cast and `sync_dist`) to a
-  syncless Logger: one gather kernel per batch, whatever the number of metrics, no sync;
-- turns a Python number into a device tensor with `torch.full` (the value travels as a kernel
-  argument: no host-to-device copy).
+  syncless Logger: one gather kernel per batch (per 248 metrics), no sync; and puts the same
+  device tensor in `trainer.logged_metrics`, as Lightning does, unread.
+
+The module's `log` only turns a Python number into a device tensor with `torch.full` (the value
+travels as a kernel argument: no host-to-device copy) before Lightning's `log` sees it.
 
 Delivered rows are drained on the training thread in the callback's hooks (never from the
 delivery thread), so every configured Lightning logger (TensorBoardLogger, CSVLogger,
 WandbLogger, ...) receives exactly the calls it would have: `log_metrics({name_step: value, ...,
 "epoch": epoch}, step)` then `save()`, with Lightning's key names (`name`, or `name_step` when
-`on_epoch=True` too), at Lightning's step (`trainer.global_step` of that batch, i.e. the number
-of optimizer steps before it), on the same batches (`log_every_n_steps`, the last batch of an
-accumulation, `should_stop`; keys logged earlier in the epoch are repeated, as Lightning does).
-Set `Trainer(log_every_n_steps=1)` to give the loggers every step: it costs no sync any more.
-The progress bar (`trainer.progress_bar_metrics`) shows delivered step values.
+`on_epoch=True` too; a metric named `step` sets the step, as in Lightning), at Lightning's step
+(`trainer.global_step` of that batch, i.e. the number of optimizer steps before it), on the
+batches Lightning logs: the decision is taken where Lightning takes it
+(`update_train_step_metrics`, wrapped for the fit: `log_every_n_steps`, the last batch of an
+accumulation, `should_stop`, `fast_dev_run`); keys logged earlier in the epoch are repeated, as
+Lightning does. `log_metrics` calls that reach the loggers from elsewhere while step rows logged
+before them are on their way (LearningRateMonitor, ThroughputMonitor, the user's
+`self.logger.log_metrics`) wait behind those rows, so every logger sees the calls in Lightning's
+order (the rows of metrics.csv come out the same). Set `Trainer(log_every_n_steps=1)` to give the
+loggers every step: it costs no sync any more. The progress bar (`trainer.progress_bar_metrics`)
+shows delivered step values.
 
-Delivered late: step values reach the loggers, the progress bar and `trainer.logged_metrics`
-when their window is copied back (every `every` batches, default 16, a few steps behind).
+Not ours to order: writes straight to a logger's experiment (`self.logger.experiment.add_scalar`,
+`wandb.log`) bypass Lightning's loggers and happen at once, ahead of step rows that are still on
+their way (each keeps its own step; wandb's own `_step` counter numbers them in the new order).
+The Tuner's trial runs (`lr_find`, `scale_batch_size`, the LearningRateFinder and
+BatchSizeFinder callbacks) swap the callbacks and loggers out: they log as they would without
+the callback.
+
+Delivered late: step values reach the loggers and the progress bar when their window is copied
+back (every `every` batches, default 16, a few steps behind).
 
 Still synced, on purpose:
 - before each validation run and at each training epoch end, the callback waits for the logged
