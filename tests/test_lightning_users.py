@@ -77,7 +77,8 @@ def _tb_scalars(lg):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(lg.log_dir)
     acc.Reload()
-    return {tag: [(e.step, _nan(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return {tag: [(e.step, _nan(e.value)) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}
 
 
 def _wandb_settings():
@@ -743,7 +744,7 @@ def test_callback_pickles_and_copies_after_fit(tmp_path, device):
     fit, a copy carries the settings and fits as the original did."""
     import copy
     import pickle
-    rows = {}
+    rows, used = {}, None
     for kind in ("original", "pickled", "deepcopied"):
         pl.seed_everything(0, verbose=False)
         if kind == "original":
