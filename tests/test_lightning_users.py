@@ -839,3 +839,31 @@ def test_throughput_monitor_rows_keep_their_place(tmp_path, device):
         seen["logged_metrics"] = {k: v for k, v in seen["logged_metrics"].items()
                                   if "time" not in k and "per_sec" not in k}
     assert_same(native, fast)
+
+
+class SameKey(Base):
+    """One key in training and validation, logging from on_before_backward, enable_graph."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("loss", loss, prog_bar=True, on_step=True, on_epoch=True)
+        self.log("graph", loss * 3, enable_graph=True)
+        return loss
+
+    def on_before_backward(self, loss):
+        self.log("before_backward", loss + 1)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("loss", self.loss(batch), prog_bar=True)
+
+
+def test_one_key_in_training_and_validation(tmp_path, device):
+    native, fast = fit_both(tmp_path, device, SameKey, log_every_n_steps=2,
+                            val_check_interval=0.5,
+                            callbacks=lambda root: [ModelCheckpoint(root / "ck", monitor="loss",
+                                                                    filename="{step}-{loss:.4f}",
+                                                                    save_top_k=2)],
+                            enable_checkpointing=True)
+    assert {"loss_step", "loss_epoch", "loss", "graph", "before_backward"} <= \
+        set(native["csv0"][0])
+    assert_same(native, fast)
