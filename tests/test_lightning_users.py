@@ -867,3 +867,22 @@ def test_one_key_in_training_and_validation(tmp_path, device):
     assert {"loss_step", "loss_epoch", "loss", "graph", "before_backward"} <= \
         set(native["csv0"][0])
     assert_same(native, fast)
+
+
+def test_callback_from_configure_callbacks(tmp_path, device):
+    """The module brings its callbacks (LightningModule.configure_callbacks): SynclessLogging
+    among them works as when given to the Trainer."""
+    class Bringing(OnStepEpoch):
+        def configure_callbacks(self):
+            cbs = [EarlyStopping("val_loss", patience=1)]
+            return ([SynclessLogging(every=3)] if self.fast else []) + cbs
+
+    def fit(trainer, module, train, val, root):
+        module.fast = root.name == "syncless"
+        trainer.callbacks = [cb for cb in trainer.callbacks
+                             if not isinstance(cb, SynclessLogging)]
+        trainer.fit(module, train, val)
+        assert any(isinstance(cb, SynclessLogging) for cb in trainer.callbacks) == module.fast
+    native, fast = fit_both(tmp_path, device, Bringing, fit=fit, max_epochs=6, log_every_n_steps=2)
+    assert len(native["csv0"]) > 20
+    assert_same(native, fast)
