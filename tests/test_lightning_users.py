@@ -370,8 +370,11 @@ class OnStepEpoch(Base):
     dict(fast_dev_run=True),
     dict(fast_dev_run=3),
     dict(num_sanity_val_steps=0, check_val_every_n_epoch=2, max_epochs=4),
+    dict(accumulate_grad_batches=3, log_every_n_steps=1, max_epochs=2),
+    dict(overfit_batches=2, log_every_n_steps=1, max_epochs=3),
+    dict(profiler="simple", log_every_n_steps=2),
 ], ids=["accumulate4", "val-quarter", "max-steps", "limit-int", "limit-float", "fast-dev-run",
-        "fast-dev-run-3", "val-every-2"])
+        "fast-dev-run-3", "val-every-2", "accumulate3-uneven", "overfit-batches", "profiler"])
 def test_trainer_loop_options(tmp_path, device, kw):
     def callbacks(root):
         return [ModelCheckpoint(root / "ck", monitor="val_loss", save_top_k=2, save_last=True,
