@@ -361,28 +361,33 @@ class OnStepEpoch(Base):
         return loss
 
 
-@pytest.mark.parametrize("kw", [
-    dict(accumulate_grad_batches=4, log_every_n_steps=1, max_epochs=3),
-    dict(val_check_interval=0.25, max_epochs=3, log_every_n_steps=1),
-    dict(max_steps=13, max_epochs=-1, log_every_n_steps=2),
-    dict(limit_train_batches=5, log_every_n_steps=2, max_epochs=3),
-    dict(limit_train_batches=0.5, limit_val_batches=1, log_every_n_steps=1),
-    dict(fast_dev_run=True),
-    dict(fast_dev_run=3),
-    dict(num_sanity_val_steps=0, check_val_every_n_epoch=2, max_epochs=4),
-    dict(accumulate_grad_batches=3, log_every_n_steps=1, max_epochs=2),
-    dict(overfit_batches=2, log_every_n_steps=1, max_epochs=3),
-    dict(profiler="simple", log_every_n_steps=2),
-], ids=["accumulate4", "val-quarter", "max-steps", "limit-int", "limit-float", "fast-dev-run",
-        "fast-dev-run-3", "val-every-2", "accumulate3-uneven", "overfit-batches", "profiler"])
-def test_trainer_loop_options(tmp_path, device, kw):
+LOOP_OPTIONS = {
+    "accumulate4": dict(accumulate_grad_batches=4, log_every_n_steps=1, max_epochs=3),
+    "accumulate3-uneven": dict(accumulate_grad_batches=3, log_every_n_steps=1),
+    "val-quarter": dict(val_check_interval=0.25, max_epochs=3, log_every_n_steps=1),
+    "val-every-2": dict(num_sanity_val_steps=0, check_val_every_n_epoch=2, max_epochs=4),
+    "max-steps": dict(max_steps=13, max_epochs=-1, log_every_n_steps=2),
+    "limit-int": dict(limit_train_batches=5, log_every_n_steps=2, max_epochs=3),
+    "limit-float": dict(limit_train_batches=0.5, limit_val_batches=1, log_every_n_steps=1),
+    "fast-dev-run": dict(fast_dev_run=True),
+    "fast-dev-run-3": dict(fast_dev_run=3),
+    "overfit-batches": dict(overfit_batches=2, log_every_n_steps=1, max_epochs=3),
+    "profiler": dict(profiler="simple", log_every_n_steps=2),
+}
+
+
+def test_trainer_loop_options(tmp_path, device):
+    """Trainer options that change which batches run, step and log (one test: a fit pair
+    each), with a checkpoint and early stopping on the validation loss."""
     def callbacks(root):
         return [ModelCheckpoint(root / "ck", monitor="val_loss", save_top_k=2, save_last=True,
                                 filename="{epoch}-{step}-{val_loss:.4f}"),
                 EarlyStopping("val_loss", patience=3)]
-    native, fast = fit_both(tmp_path, device, OnStepEpoch, callbacks=callbacks,
-                            enable_checkpointing=True, **kw)
-    assert_same(native, fast)
+    for name, kw in LOOP_OPTIONS.items():
+        native, fast = fit_both(tmp_path / name, device, OnStepEpoch, callbacks=callbacks,
+                                enable_checkpointing=True, **kw)
+        for key in native:
+            assert fast[key] == native[key], (name, key)
 
 
 def test_default_log_every_n_steps(tmp_path, device):
@@ -592,7 +597,7 @@ def test_rich_progress_bar(tmp_path, device):
     def bar(root):
         return [RichProgressBar(refresh_rate=1)]
     native, fast = fit_both(tmp_path, device, OnStepEpoch, enable_progress_bar=True,
-                            callbacks=bar, max_epochs=1)
+                            callbacks=bar, max_epochs=1, train=lambda: _data(16, 4))
     assert_same(native, fast)
 
 
