@@ -177,16 +177,21 @@ def fit_both(tmp_path, device, model, *, callbacks=lambda root: [], before=lambd
                   enable_checkpointing=False, enable_model_summary=False,
                   enable_progress_bar=False, default_root_dir=root)
         kw.update(trainer_kw)
+        warn_always = torch._C._get_warnAlways()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = pl.Trainer(**kw)
-            module = model()                 # after the seed: the same initial weights
-            tr = train() if train else _data()
-            va = val() if val else (_data(16, 8, seed=1) if val is None else None)
-            if fit is None:
-                trainer.fit(module, tr, va)
-            else:                            # the scenario's own calls; it may hand back
-                trainer = fit(trainer, module, tr, va, root) or trainer      # a later trainer
+            torch._C._set_warnAlways(True)   # torch's warn-once warnings: in both runs too
+            try:
+                trainer = pl.Trainer(**kw)
+                module = model()             # after the seed: the same initial weights
+                tr = train() if train else _data()
+                va = val() if val else (_data(16, 8, seed=1) if val is None else None)
+                if fit is None:
+                    trainer.fit(module, tr, va)
+                else:                        # the scenario's own calls; it may hand back
+                    trainer = fit(trainer, module, tr, va, root) or trainer    # a later one
+            finally:
+                torch._C._set_warnAlways(warn_always)
         seen = _seen(trainer, first + extra, root)
         seen["warnings"] = _warnings(caught, root)
         runs[kind] = seen
