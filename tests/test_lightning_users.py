@@ -899,3 +899,39 @@ def test_callback_from_configure_callbacks(tmp_path, device):
     native, fast = fit_both(tmp_path, device, Bringing, fit=fit, max_epochs=6, log_every_n_steps=2)
     assert len(native["csv0"]) > 20
     assert_same(native, fast)
+
+
+def test_sinks_serve_every_fit(tmp_path, device):
+    """A JSONL sink given to the callback gets every batch of both fits on one trainer (the
+    first fit's end flushes it, it does not close it), with the values the CSVLogger got; a
+    path instead of a sink is refused at once."""
+    import json
+
+    import syncless
+    with pytest.raises(TypeError, match="sinks takes sink objects, got the path"):
+        SynclessLogging(sinks=str(tmp_path / "steps.jsonl"))
+    sink = syncless.sinks.JSONL(tmp_path / "steps.jsonl")
+
+    def fit(trainer, module, train, val):
+        trainer.fit(module, train, val)
+        trainer.fit_loop.max_epochs = 3
+        trainer.fit(module, train, val)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = pl.Trainer(max_epochs=1, log_every_n_steps=1, logger=CSVLogger(tmp_path),
+                                 callbacks=[SynclessLogging(every=3, sinks=sink)],
+                                 enable_progress_bar=False, enable_checkpointing=False,
+                                 enable_model_summary=False, devices=1,
+                                 accelerator="cpu" if device == "cpu" else "gpu")
+            pl.seed_everything(0, verbose=False)
+            fit(trainer, OnStepEpoch(), _data(), _data(16, 8, seed=1))
+    finally:
+        sink.close()
+    with open(tmp_path / "steps.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    head, *csv_rows = _csv_rows(trainer.logger)
+    logged = {int(r[head.index("step")]): float(r[head.index("train_loss_step")])
+              for r in csv_rows if r[head.index("train_loss_step")]}
+    assert [r["step"] for r in rows] == list(range(24))
+    assert {r["step"]: r["train_loss_step"] for r in rows} == logged

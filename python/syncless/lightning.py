@@ -81,7 +81,7 @@ import torch
 
 from ._delivery import RESERVED
 from ._torch import MAX_CELLS
-from .logger import Logger
+from .logger import Logger, _check_sinks
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 
@@ -126,6 +126,28 @@ class _Direct:
         self.step = step
 
 
+class _KeptOpen:
+    """A user's sink as each fit's Logger sees it. The Logger closes its sinks when the fit ends,
+    but one callback can serve several fits (trainer.fit again, the same callback in another
+    Trainer): here closing only flushes, so that the next fit writes to the sink too."""
+
+    def __init__(self, sink: Any):
+        self.sink = sink
+
+    def write(self, rows: list) -> None:
+        self.sink.write(rows)
+
+    def flush(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
+
+    close = flush
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
+
+
 class _Rows:
     """The Logger's sink: runs on the delivery thread, only appends (deque.append is atomic)."""
 
@@ -150,16 +172,16 @@ def _build(pkg_name: str) -> type:
         sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
             Lightning's step, from the delivery thread. A metric named `step` or `time` (the
             rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
-            metrics than one gather kernel holds (248) comes as several rows at its step.
+            metrics than one gather kernel holds (248) comes as several rows at its step. The
+            sinks are flushed at the end of every fit and stay open for the next one (one
+            callback can serve several fits): close them when you are done.
         """
 
         def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
             if not isinstance(every, int) or every < 1:
                 raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
-            if hasattr(sinks, "write"):
-                sinks = [sinks]
             self.every = every
-            self._user_sinks = list(sinks)
+            self._user_sinks = _check_sinks(sinks)   # the Logger's own checks, at once
             self.syncless: Logger | None = None
             self._rows = _Rows()
             self._module: Any = None
@@ -426,9 +448,9 @@ def _build(pkg_name: str) -> type:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if stage != "fit":
                 return
-            self._uninstall()
-            self.syncless = Logger(every=self.every, sinks=[self._rows, *self._user_sinks],
-                              sinks_on="all")
+            self._finish()                       # a fit that ended without teardown
+            self.syncless = Logger(every=self.every, sinks_on="all",
+                                   sinks=[self._rows, *map(_KeptOpen, self._user_sinks)])
             if self._trainer is None or self._trainer() is not trainer:
                 # Lightning keeps a trainer's results (and our flags on their metas) from one
                 # fit to the next: the keys are forgotten only for another trainer.
