@@ -935,3 +935,18 @@ def test_sinks_serve_every_fit(tmp_path, device):
               for r in csv_rows if r[head.index("train_loss_step")]}
     assert [r["step"] for r in rows] == list(range(24))
     assert {r["step"]: r["train_loss_step"] for r in rows} == logged
+
+
+def test_two_callbacks_refused(tmp_path, device):
+    """Two SynclessLogging in one Trainer (the Trainer's and the module's configure_callbacks,
+    say): a clear error before the first batch, and nothing is left installed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_epochs=1, callbacks=[SynclessLogging(), SynclessLogging()],
+                             logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                             enable_model_summary=False, devices=1,
+                             accelerator="cpu" if device == "cpu" else "gpu")
+        module = OnStepEpoch()
+        with pytest.raises(ValueError, match="the Trainer has 2 of them"):
+            trainer.fit(module, _data())
+    assert "log" not in vars(module) and trainer.global_step == 0

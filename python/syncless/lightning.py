@@ -449,6 +449,12 @@ def _build(pkg_name: str) -> type:
             if stage != "fit":
                 return
             self._finish()                       # a fit that ended without teardown
+            twins = [cb for cb in trainer.callbacks
+                     if isinstance(cb, SynclessLogging) and cb is not self]
+            if twins:
+                raise ValueError(
+                    f"SynclessLogging: the Trainer has {len(twins) + 1} of them in its callbacks; "
+                    "keep one (each would take every value, and the loggers would get them twice)")
             self.syncless = Logger(every=self.every, sinks_on="all",
                                    sinks=[self._rows, *map(_KeptOpen, self._user_sinks)])
             if self._trainer is None or self._trainer() is not trainer:
