@@ -12,29 +12,50 @@ progress bar asks for `trainer.progress_bar_metrics`; `_LoggerConnector.log_metr
 step value before any Lightning `Logger` sees it (every `log_every_n_steps`); a Python float given
 to `self.log` becomes `torch.tensor(v, device=...)`, a pageable host-to-device copy.
 
-What the callback changes. During training (`training_step`, `on_train_batch_start/end`, the
-backward and optimizer hooks) it replaces the module's `log` with one that
+What the callback changes, for the fit it runs in. Every `self.log` ends in the training
+results' `log` (Lightning's `_ResultCollection.log`) with its final key, `on_step` and flags,
+whatever the module did on the way (a `log` override that prefixes keys, `log_dict`, a
+torchmetrics object, a Callback calling `pl_module.log`). There, for an on-step value logged in
+a training batch (`training_step`, `on_train_batch_start/end`, the backward and optimizer hooks),
+the callback
 
 - still calls Lightning's own `log`, with `prog_bar=False, logger=False`: Lightning keeps the
   tensor, its `on_epoch` reduction, `sync_dist`, `trainer.callback_metrics` and so every
-  ModelCheckpoint/EarlyStopping `monitor` key exactly as before, and never reads the step value;
+  ModelCheckpoint/EarlyStopping `monitor` key exactly as before, and never reads the step value
+  (a key logged again with other prog_bar/logger flags raises Lightning's
+  MisconfigurationException, as without the callback);
 - hands the value Lightning stored for the step (after its float32 cast and `sync_dist`) to a
-  syncless Logger: one gather kernel per batch, whatever the number of metrics, no sync;
-- turns a Python number into a device tensor with `torch.full` (the value travels as a kernel
-  argument: no host-to-device copy).
+  syncless Logger: one gather kernel per batch (per 248 metrics), no sync; and puts the same
+  device tensor in `trainer.logged_metrics`, as Lightning does, unread.
+
+The module's `log` only turns a Python number into a device tensor with `torch.full` (the value
+travels as a kernel argument: no host-to-device copy) before Lightning's `log` sees it.
 
 Delivered rows are drained on the training thread in the callback's hooks (never from the
 delivery thread), so every configured Lightning logger (TensorBoardLogger, CSVLogger,
 WandbLogger, ...) receives exactly the calls it would have: `log_metrics({name_step: value, ...,
 "epoch": epoch}, step)` then `save()`, with Lightning's key names (`name`, or `name_step` when
-`on_epoch=True` too), at Lightning's step (`trainer.global_step` of that batch, i.e. the number
-of optimizer steps before it), on the same batches (`log_every_n_steps`, the last batch of an
-accumulation, `should_stop`; keys logged earlier in the epoch are repeated, as Lightning does).
-Set `Trainer(log_every_n_steps=1)` to give the loggers every step: it costs no sync any more.
-The progress bar (`trainer.progress_bar_metrics`) shows delivered step values.
+`on_epoch=True` too; a metric named `step` sets the step, as in Lightning), at Lightning's step
+(`trainer.global_step` of that batch, i.e. the number of optimizer steps before it), on the
+batches Lightning logs: the decision is taken where Lightning takes it
+(`update_train_step_metrics`, wrapped for the fit: `log_every_n_steps`, the last batch of an
+accumulation, `should_stop`, `fast_dev_run`); keys logged earlier in the epoch are repeated, as
+Lightning does. `log_metrics` calls that reach the loggers from elsewhere while step rows logged
+before them are on their way (LearningRateMonitor, ThroughputMonitor, the user's
+`self.logger.log_metrics`) wait behind those rows, so every logger sees the calls in Lightning's
+order (the rows of metrics.csv come out the same). Set `Trainer(log_every_n_steps=1)` to give the
+loggers every step: it costs no sync any more. The progress bar (`trainer.progress_bar_metrics`)
+shows delivered step values.
 
-Delivered late: step values reach the loggers, the progress bar and `trainer.logged_metrics`
-when their window is copied back (every `every` batches, default 16, a few steps behind).
+Not ours to order: writes straight to a logger's experiment (`self.logger.experiment.add_scalar`,
+`wandb.log`) bypass Lightning's loggers and happen at once, ahead of step rows that are still on
+their way (each keeps its own step; wandb's own `_step` counter numbers them in the new order).
+The Tuner's trial runs (`lr_find`, `scale_batch_size`, the LearningRateFinder and
+BatchSizeFinder callbacks) swap the callbacks and loggers out: they log as they would without
+the callback.
+
+Delivered late: step values reach the loggers and the progress bar when their window is copied
+back (every `every` batches, default 16, a few steps behind).
 
 Still synced, on purpose:
 - before each validation run and at each training epoch end, the callback waits for the logged
@@ -53,11 +74,14 @@ from __future__ import annotations
 import collections
 import importlib
 import numbers
+import weakref
 from typing import Any, Iterable
 
 import torch
 
-from .logger import Logger
+from ._delivery import RESERVED
+from ._torch import MAX_CELLS
+from .logger import Logger, _check_sinks
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 
@@ -70,19 +94,58 @@ _STEP_HOOKS = frozenset({
 
 _classes: dict[str, type] = {}
 
+# Lightning metric names that syncless keeps for its rows' own fields ("step", "time"): the
+# Logger's column for each, and back.
+_COLUMN = {name: f"lightning/{name}" for name in RESERVED}
+_NAME = {column: name for name, column in _COLUMN.items()}
+
 
 class _Batch:
     """Host facts about one training batch, kept until its row is delivered."""
-    __slots__ = ("step", "epoch", "ended", "accumulating", "log_now", "keys", "has_row")
+    __slots__ = ("step", "epoch", "log_now", "keys", "rows")
 
     def __init__(self, step: int, epoch: int):
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
-        self.ended = False               # reached on_train_batch_end (not cut by an exception)
-        self.accumulating = False
-        self.log_now = False
+        self.log_now = False             # Lightning logs this batch's step metrics
         self.keys: tuple = ()
-        self.has_row = False
+        self.rows = 0                    # Logger rows of this batch (one per MAX_CELLS metrics)
+
+
+class _Direct:
+    """A `log_metrics` call that reached a logger from elsewhere (LearningRateMonitor, the user's
+    `self.logger.log_metrics`, ...) while step rows logged before it were still on their way: it
+    waits for them, so that the logger sees the calls in Lightning's order."""
+    __slots__ = ("logger", "metrics", "step")
+    rows = 0
+    log_now = False
+
+    def __init__(self, logger: Any, metrics: dict, step: int | None):
+        self.logger = logger
+        self.metrics = metrics
+        self.step = step
+
+
+class _KeptOpen:
+    """A user's sink as each fit's Logger sees it. The Logger closes its sinks when the fit ends,
+    but one callback can serve several fits (trainer.fit again, the same callback in another
+    Trainer): here closing only flushes, so that the next fit writes to the sink too."""
+
+    def __init__(self, sink: Any):
+        self.sink = sink
+
+    def write(self, rows: list) -> None:
+        self.sink.write(rows)
+
+    def flush(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()
+
+    close = flush
+
+    def __repr__(self) -> str:
+        return repr(self.sink)
 
 
 class _Rows:
@@ -97,88 +160,123 @@ class _Rows:
 
 def _build(pkg_name: str) -> type:
     pl = importlib.import_module(pkg_name)
-    fx_validator = importlib.import_module(
-        f"{pkg_name}.trainer.connectors.logger_connector.fx_validator")
     result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
-    FxValidator = fx_validator._FxValidator
     default_dtype = result._get_default_dtype
+    Misconfiguration = importlib.import_module(
+        f"{pkg_name}.utilities.exceptions").MisconfigurationException
 
     class SynclessLogging(pl.Callback):
         """Route on-step `self.log` values through a syncless Logger (see the module docstring).
 
         every: batches per device-to-host copy (how late the progress bar and loggers are).
         sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
-            Lightning's step, from the delivery thread.
+            Lightning's step, from the delivery thread. A metric named `step` or `time` (the
+            rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
+            metrics than one gather kernel holds (248) comes as several rows at its step. The
+            sinks are flushed at the end of every fit and stay open for the next one (one
+            callback can serve several fits): close them when you are done.
         """
 
         def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
             if not isinstance(every, int) or every < 1:
                 raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
-            if hasattr(sinks, "write"):
-                sinks = [sinks]
             self.every = every
-            self._user_sinks = list(sinks)
+            self._user_sinks = _check_sinks(sinks)   # the Logger's own checks, at once
             self.syncless: Logger | None = None
             self._rows = _Rows()
             self._module: Any = None
-            self._orig_log: Any = None
+            self._results: Any = None
             self._keys: dict[str, tuple] = {}     # result key -> (forked name, prog_bar, logger)
             self._pending: dict[str, Any] = {}
             self._open: _Batch | None = None
             self._batches: collections.deque = collections.deque()
             self._current: dict[str, float] = {}
             self._pbar_keys: set[str] = set()
+            self._loggers: list = []             # (logger, its own log_metrics, was patched)
+            self._trainer: Any = None            # weakref to the trainer the keys belong to
+            self._connector: Any = None          # (its logger connector, was patched, own method)
+
+        def __getstate__(self) -> dict:
+            # What a pickle or deepcopy carries (ddp_spawn pickles the trainer with its
+            # callbacks): the settings; a fit's Logger, thread and hooks are its own.
+            return {"every": self.every, "sinks": self._user_sinks}
+
+        def __setstate__(self, state: dict) -> None:
+            self.__init__(state["every"], state["sinks"])
 
         # ---- the log replacement ------------------------------------------------------------
 
-        def _install(self, pl_module: Any) -> None:
-            orig = type(pl_module).log.__get__(pl_module)
+        def _ours(self, trainer: Any, fx: str | None) -> bool:
+            """A training batch hook of a fit we run in. (The Tuner's trial runs, inside our fit
+            or not, swap the callbacks and loggers out: they log as they would without us.)"""
+            return (fx in _STEP_HOOKS and trainer.training and self.syncless is not None
+                    and self in trainer.callbacks)
+
+        def _install(self, trainer: Any, pl_module: Any) -> None:
+            """Two wrappers for the fit. The module's `log` only turns a Python number into a
+            device tensor with torch.full (a kernel argument instead of torch.tensor(v,
+            device=...)'s pageable copy); everything else reaches Lightning's own `log` (or the
+            user's override of it) as given. The training results' `log`, where every
+            `self.log` ends with its final key, on_step and flags, sends on-step values to
+            Lightning with prog_bar and logger off, and records them for the syncless Logger."""
             cb = self
+            own_module_log = type(pl_module).log.__get__(pl_module)
 
             @torch.compiler.disable
-            def log(name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-                    on_step: bool | None = None, on_epoch: bool | None = None,
-                    reduce_fx: Any = "mean", enable_graph: bool = False, sync_dist: bool = False,
-                    sync_dist_group: Any = None, add_dataloader_idx: bool = True,
-                    batch_size: int | None = None, metric_attribute: str | None = None,
-                    rank_zero_only: bool = False) -> None:
-                kw = dict(reduce_fx=reduce_fx, enable_graph=enable_graph, sync_dist=sync_dist,
-                          sync_dist_group=sync_dist_group, add_dataloader_idx=add_dataloader_idx,
-                          batch_size=batch_size, metric_attribute=metric_attribute,
-                          rank_zero_only=rank_zero_only)
-                fx = pl_module._current_fx_name
-                trainer = pl_module._trainer
-                if (fx not in _STEP_HOOKS or trainer is None or not trainer.training
-                        or trainer.barebones or cb.syncless is None):
-                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
-                                on_epoch=on_epoch, **kw)
-                on_step, on_epoch = FxValidator.check_logging_and_get_default_levels(
-                    fx, on_step=on_step, on_epoch=on_epoch)
-                if not on_step:          # epoch-only: Lightning reads it once per epoch
-                    return orig(name, value, prog_bar=prog_bar, logger=logger, on_step=False,
-                                on_epoch=on_epoch, **kw)
-                if isinstance(value, numbers.Number):
-                    # A kernel argument instead of torch.tensor(v, device=...)'s pageable copy.
+            def module_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+                if (isinstance(value, numbers.Number) and pl_module._trainer is not None
+                        and cb._ours(pl_module._trainer, pl_module._current_fx_name)):
                     value = torch.full((), float(value), dtype=default_dtype(),
                                        device=pl_module.device)
-                orig(name, value, prog_bar=False, logger=False, on_step=True, on_epoch=on_epoch,
-                     **kw)
-                cb._record(trainer, fx, name, prog_bar, True if logger is None else logger)
+                return own_module_log(name, value, *args, **kwargs)
 
+            results = _train_results(trainer)
+            own_results_log = results.log
+
+            @torch.compiler.disable
+            def results_log(fx: str, name: str, value: Any, prog_bar: bool = False,
+                            logger: bool = True, on_step: bool = False, on_epoch: bool = True,
+                            **kw: Any) -> None:
+                if not on_step or not cb._ours(trainer, fx):
+                    return own_results_log(fx, name, value, prog_bar=prog_bar, logger=logger,
+                                           on_step=on_step, on_epoch=on_epoch, **kw)
+                key = f"{fx}.{name}"
+                if kw.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+                    key += f".{results.dataloader_idx}"
+                entry = cb._keys.get(key)
+                if entry is None and key in results:
+                    # Logged by Lightning alone before (a Tuner's run): the user's flags are
+                    # on its meta; from now on they are ours to keep off.
+                    meta = results[key].meta
+                    entry = (None, meta.prog_bar, meta.logger)
+                    if entry[1:] == (prog_bar, logger):
+                        meta.prog_bar = meta.logger = False
+                if entry is not None and entry[1:] != (prog_bar, logger):
+                    # Lightning compares the flags we pass it, always off: compare the user's.
+                    raise Misconfiguration(
+                        f"You called `self.log({name}, ...)` twice in `{fx}` with different "
+                        "arguments. This is not allowed")
+                own_results_log(fx, name, value, prog_bar=False, logger=False, on_step=True,
+                                on_epoch=on_epoch, **kw)
+                cb._record(trainer, key, prog_bar, logger)
+
+            pl_module.__dict__["log"] = module_log
+            results.__dict__["log"] = results_log
             self._module = pl_module
-            self._orig_log = orig
-            pl_module.__dict__["log"] = log
+            self._results = results
 
         def _uninstall(self) -> None:
             if self._module is not None:
                 self._module.__dict__.pop("log", None)
-                self._module = None
+                self._results.__dict__.pop("log", None)
+                self._module = self._results = None
 
-        def _record(self, trainer: Any, fx: str, name: str, prog_bar: bool, logger: bool) -> None:
-            key = f"{fx}.{name}"
+        def _record(self, trainer: Any, key: str, prog_bar: bool, logger: bool) -> None:
             metric = _train_results(trainer).get(key)
             if metric is None:                       # Lightning chose not to log it
                 return
+            if self._open is None:                   # the batch's first value
+                self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
             entry = self._keys.get(key)
             if entry is None:
                 entry = self._keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
@@ -187,34 +285,52 @@ def _build(pkg_name: str) -> type:
             value = metric._forward_cache            # after the float cast and sync_dist
             if isinstance(value, torch.Tensor):
                 self._pending[entry[0]] = value
-            if self._open is None:                   # logged before the first batch hook
-                self._start_batch(trainer)
+                if entry[2]:
+                    # What Lightning's logged_metrics holds: the device tensor, unread.
+                    trainer._logger_connector._logged_metrics[entry[0]] = value
 
         # ---- batches ----------------------------------------------------------------------
 
-        def _start_batch(self, trainer: Any) -> None:
-            self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
-
-        def _close_batch(self, trainer: Any) -> None:
+        def _step_end(self, trainer: Any) -> None:
+            """Where Lightning decides to log a training batch's step metrics (its
+            update_train_step_metrics, after every on_train_batch_end hook): the batch closes
+            here, logged to the loggers if and only if Lightning would log it."""
             batch = self._open
-            if batch is None:
+            if batch is None or self not in trainer.callbacks:
                 return
-            self._open = None
-            n = trainer.log_every_n_steps
-            should = n != 0 and ((batch.step + 1) % n == 0 or trainer.should_stop)
-            batch.log_now = (batch.ended and not batch.accumulating and bool(trainer.loggers)
-                             and (should or bool(trainer.fast_dev_run)))
+            connector = trainer._logger_connector
+            batch.log_now = (
+                not (trainer.fit_loop._should_accumulate()
+                     and trainer.lightning_module.automatic_optimization)
+                and bool(trainer.loggers)
+                and (connector.should_update_logs or bool(trainer.fast_dev_run)))
             if batch.log_now:
                 # The keys Lightning's log_metrics would send now: every on-step logger key
                 # still valid in this epoch (host bookkeeping only, no tensor is read).
                 results = _train_results(trainer)
                 batch.keys = tuple(entry[0] for key, entry in self._keys.items()
                                    if entry[2] and _valid(results.get(key)))
+            self._close_batch(trainer)
+
+        def _close_batch(self, trainer: Any) -> None:
+            """Hands the batch's values to the Logger; a batch Lightning did not reach the end
+            of (skipped by on_train_batch_start returning -1, cut by an exception) is not sent
+            to the loggers, as in Lightning."""
+            batch = self._open
+            if batch is None:
+                return
+            self._open = None
             if self._pending:
-                batch.has_row = True
                 # Rows are matched to batches by order; the step is Lightning's (equal steps
-                # under gradient accumulation are fine).
-                self.syncless.log(self._pending, step=batch.step)
+                # under gradient accumulation are fine). Names syncless keeps for its own row
+                # fields go in under another; a batch wider than one kernel takes several rows.
+                items = [(_COLUMN.get(k, k), v) for k, v in self._pending.items()]
+                # Lightning's step can go back within a fit (a loop state loaded again); the
+                # loggers get batch.step, a Logger row never goes behind the one before it.
+                step = max(batch.step, self.syncless.last_step)
+                for at in range(0, len(items), MAX_CELLS):
+                    self.syncless.log(dict(items[at:at + MAX_CELLS]), step=step)
+                    batch.rows += 1
                 self._pending = {}
             self._batches.append(batch)
 
@@ -231,16 +347,21 @@ def _build(pkg_name: str) -> type:
             batches = self._batches
             while batches:
                 batch = batches[0]
-                if batch.has_row:
-                    if not rows:
+                if batch.rows:
+                    if len(rows) < batch.rows:
                         break
-                    row = rows.popleft()
-                    self._current.update(row.values)
-                    for k, v in row.values.items():
-                        if k in self._pbar_keys:
-                            pbar[k] = v
+                    for _ in range(batch.rows):
+                        values = rows.popleft().values
+                        if _NAME.keys() & values.keys():
+                            values = {_NAME.get(k, k): v for k, v in values.items()}
+                        self._current.update(values)
+                        for k, v in values.items():
+                            if k in self._pbar_keys:
+                                pbar[k] = v
                 batches.popleft()
-                if batch.log_now and batch.keys:
+                if isinstance(batch, _Direct):
+                    self._send(batch.logger, batch.metrics, batch.step)
+                elif batch.log_now and batch.keys:
                     self._emit(trainer, batch)
             if pbar:
                 # The connector's dict, not the trainer.progress_bar_metrics property: the property
@@ -251,7 +372,6 @@ def _build(pkg_name: str) -> type:
             metrics = {k: self._current[k] for k in batch.keys if k in self._current}
             if not metrics:
                 return
-            trainer._logger_connector._logged_metrics.update(metrics)
             step = batch.step
             step_metric = metrics.pop("step", None)
             if step_metric is not None:
@@ -259,8 +379,58 @@ def _build(pkg_name: str) -> type:
             else:
                 metrics.setdefault("epoch", batch.epoch)
             for lg in trainer.loggers:
-                lg.log_metrics(metrics=metrics, step=step)
+                self._send(lg, metrics, step)
                 lg.save()
+
+        def _send(self, lg: Any, metrics: dict, step: int | None) -> None:
+            for logger, own, _patched in self._loggers:
+                if logger is lg:
+                    return own(metrics=metrics, step=step)
+            lg.log_metrics(metrics=metrics, step=step)
+
+        def _watch_loggers(self, trainer: Any) -> None:
+            """Every configured logger's log_metrics, while fit runs: calls made by others wait
+            behind the step rows logged before them (see _Direct)."""
+            cb = self
+            for lg in trainer.loggers:
+                own = lg.log_metrics
+
+                def log_metrics(metrics: Any, step: int | None = None, _lg: Any = lg,
+                                _own: Any = own) -> None:
+                    if cb._batches and not cb.syncless.closed:
+                        cb._batches.append(_Direct(_lg, dict(metrics), step))
+                        cb._drain(trainer)
+                    else:
+                        _own(metrics=metrics, step=step)
+
+                self._loggers.append((lg, own, "log_metrics" in vars(lg)))
+                lg.log_metrics = log_metrics
+
+            connector = trainer._logger_connector
+            own_update = connector.update_train_step_metrics
+
+            def update_train_step_metrics() -> None:
+                cb._step_end(trainer)
+                own_update()          # logs nothing of ours: our keys' logger flags are off
+
+            self._connector = (connector, "update_train_step_metrics" in vars(connector),
+                               own_update)
+            connector.update_train_step_metrics = update_train_step_metrics
+
+        def _unwatch_loggers(self) -> None:
+            for lg, own, patched in self._loggers:
+                if patched:
+                    lg.log_metrics = own
+                else:
+                    vars(lg).pop("log_metrics", None)
+            self._loggers = []
+            if self._connector is not None:
+                connector, patched, own = self._connector
+                if patched:
+                    connector.update_train_step_metrics = own
+                else:
+                    vars(connector).pop("update_train_step_metrics", None)
+                self._connector = None
 
         def _set_flags(self, trainer: Any, on: bool) -> None:
             """Lightning reads step values only for metas with prog_bar/logger set: those are
@@ -278,33 +448,38 @@ def _build(pkg_name: str) -> type:
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             if stage != "fit":
                 return
-            self._uninstall()
-            self.syncless = Logger(every=self.every, sinks=[self._rows, *self._user_sinks],
-                              sinks_on="all")
-            self._keys.clear()
+            self._finish()                       # a fit that ended without teardown
+            twins = [cb for cb in trainer.callbacks
+                     if isinstance(cb, SynclessLogging) and cb is not self]
+            if twins:
+                raise ValueError(
+                    f"SynclessLogging: the Trainer has {len(twins) + 1} of them in its callbacks; "
+                    "keep one (each would take every value, and the loggers would get them twice)")
+            self.syncless = Logger(every=self.every, sinks_on="all",
+                                   sinks=[self._rows, *map(_KeptOpen, self._user_sinks)])
+            if self._trainer is None or self._trainer() is not trainer:
+                # Lightning keeps a trainer's results (and our flags on their metas) from one
+                # fit to the next: the keys are forgotten only for another trainer.
+                self._trainer = weakref.ref(trainer)
+                self._keys.clear()
+                self._pbar_keys.clear()
             self._pending = {}
             self._open = None
             self._batches.clear()
             self._rows.rows.clear()
             self._current.clear()
-            self._pbar_keys.clear()
-            self._install(pl_module)
+            self._install(trainer, pl_module)
+            self._watch_loggers(trainer)
 
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             self._set_flags(trainer, on=False)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                  batch_idx: int) -> None:
-            self._close_batch(trainer)
             self._drain(trainer)
-            self._start_batch(trainer)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
-            if self._open is not None:
-                self._open.ended = True
-                self._open.accumulating = (trainer.fit_loop._should_accumulate()
-                                           and pl_module.automatic_optimization)
             self._drain(trainer)
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -331,6 +506,7 @@ def _build(pkg_name: str) -> type:
 
         def _finish(self) -> None:
             self._uninstall()
+            self._unwatch_loggers()
             if self.syncless is not None:
                 self.syncless.close()
 
