@@ -33,13 +33,27 @@ def step() -> None:
 
 
 def parse_step_at(text: str) -> tuple[str, int]:
-    """FILE:LINE -> (absolute path, line); ValueError naming what is wrong."""
+    """FILE:LINE -> (absolute path, line); ValueError naming what is wrong (no such file, a line
+    past its end, a line without code: such a line never runs, and the steps would silently end
+    at another boundary)."""
     path, sep, line = text.rpartition(":")
     if not sep or not path or not line.isdigit() or int(line) < 1:
         raise ValueError(f"expected FILE:LINE with a line number >= 1, got {text!r}")
     if not os.path.isfile(path):
         raise ValueError(f"file not found: {path}")
-    return os.path.abspath(path), int(line)
+    n = int(line)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    if n > len(lines):
+        raise ValueError(f"{path} has {len(lines)} lines: line {n} is past its end")
+    code = lines[n - 1].strip()
+    if not code or code.startswith("#"):
+        raise ValueError(f"line {n} of {path} has no code ({'a comment' if code else 'blank'}): "
+                         "name a line that runs once per step")
+    return os.path.abspath(path), n
 
 
 def _capturing() -> bool:
@@ -57,6 +71,7 @@ class Boundaries:
         self.kind: str | None = None
         self.seen = dict.fromkeys(KINDS, 0)
         self.optimizer = None                  # the first optimizer stepped: one per step
+        self.optimizers: list = []             # every optimizer stepped, in order of first step
         self.model = None                      # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self._handles: list = []
@@ -141,6 +156,8 @@ class Boundaries:
     def _on_optimizer(self, optimizer, args, kwargs) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
         if optimizer is self.optimizer:
             self.fire(OPTIMIZER)
 

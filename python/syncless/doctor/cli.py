@@ -32,13 +32,14 @@ import shutil
 import sys
 import tempfile
 import threading
+import traceback
 from time import perf_counter
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ._boundary import MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
+from ._boundary import BACKWARD, MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
 from ._frames import short
 from ._loader import timed_dataloaders
 from ._sampler import StackSampler
@@ -71,6 +72,8 @@ class ScriptSession:
         self.step_at = step_at
         self.bounds = Boundaries(self.on_boundary, step_at)
         self._loader: dict = {}
+        self.finished = False                    # every phase ran: the script is being stopped
+        self.ended = "ended"                     # how the script ended, for the report's notes
         self._reset()
 
     def _reset(self) -> None:
@@ -90,6 +93,7 @@ class ScriptSession:
         self._profile = None
         self._trace_path = None
         self._t0 = 0.0
+        self._seen_monitor: tuple[dict, dict | None] | None = None   # boundary counts at its ends
 
     # ---- the data-wait side of timed_dataloaders ------------------------------------------------
 
@@ -143,6 +147,10 @@ class ScriptSession:
             self._opt_t0 = None
 
     def on_boundary(self, kind: str, restart: bool) -> None:
+        if self.finished:
+            # The script caught _Done (a bare `except:`, `except BaseException`) and went on:
+            # stop it again, or it would run to its end unmeasured.
+            raise _Done
         if restart:
             # A stronger boundary appeared (the first optimizer.step() after the first
             # backward()): what ran so far measured other steps; start over at this one.
@@ -162,6 +170,7 @@ class ScriptSession:
         self._leave(finished=True)
         following = self._after(self.entered[-1])
         if following is None:
+            self.finished = True
             raise _Done
         self._enter(following)
         self._open_step()
@@ -199,8 +208,9 @@ class ScriptSession:
         self.entered.append(phase)
         if phase == "monitor":
             self.optimizer_s = 0.0
+            self.sampler.start()                 # before the clock: its thread's start is ours
+            self._seen_monitor = (dict(self.bounds.seen), None)
             self._t0 = self._drained_clock()
-            self.sampler.start()
         elif phase == "probe":
             self.probe = QueueProbe(self.step_ms)
         elif phase == "audit":
@@ -220,9 +230,10 @@ class ScriptSession:
     def _leave(self, finished: bool) -> None:
         phase, self.phase = self.phase, None
         if phase == "monitor":
-            self.sampler.stop()
             if finished:
                 self.step_ms = (self._drained_clock() - self._t0) * 1e3 / self.done["monitor"]
+            self.sampler.stop()                  # after the clock: joining it is ours
+            self._seen_monitor = (self._seen_monitor[0], dict(self.bounds.seen))
         elif phase == "probe":
             self.gpu_pure_ms = self.probe.median_ms()
         elif phase == "audit":
@@ -247,10 +258,29 @@ class ScriptSession:
 
     # ---- the report -----------------------------------------------------------------------------
 
+    def per_step(self, kind: str) -> float | None:
+        """How many times `kind` fired per monitored step (None: no monitored step)."""
+        steps = self.done["monitor"]
+        if not steps or self._seen_monitor is None:
+            return None
+        first, last = self._seen_monitor
+        return ((last or self.bounds.seen)[kind] - first[kind]) / steps
+
     def boundary_text(self) -> str:
         kind = self.bounds.kind
         if kind == OPTIMIZER and self.bounds.optimizer is not None:
-            return f"{kind} ({type(self.bounds.optimizer).__name__})"
+            text = f"{kind} ({type(self.bounds.optimizer).__name__})"
+            others = len(self.bounds.optimizers) - 1
+            if others:
+                names = ", ".join(type(o).__name__ for o in self.bounds.optimizers[1:])
+                text = (f"{kind} of the first optimizer stepped ("
+                        f"{type(self.bounds.optimizer).__name__}; {others} other"
+                        f"{'s' if others > 1 else ''} stepped too: {names})")
+            backward = self.per_step(BACKWARD)
+            if backward is not None and backward != 1:
+                # Gradient accumulation (or a step with several losses): say what a step is.
+                text += f", {backward:g} backward() calls per step"
+            return text
         if kind == MODULE and self.bounds.model is not None:
             return f"end of {kind} ({type(self.bounds.model).__name__})"
         if kind == STEP_AT and self.step_at:
@@ -266,7 +296,11 @@ class ScriptSession:
         kind = self.bounds.kind
         seen = self.bounds.seen.get(kind, 0) if kind else 0
         notes = []
-        if kind is None:
+        if kind is None and self.ended != "ended":
+            notes.append(f"the script {self.ended} before its first step boundary (an "
+                         "optimizer.step(), backward(), DataLoader next() or nn.Module call): "
+                         "nothing was measured")
+        elif kind is None:
             notes.append("no step boundary was seen (no optimizer.step(), backward(), DataLoader "
                          "next() or nn.Module call): mark the end of each step with "
                          "syncless.step(), or name its line with --step-at FILE:LINE")
@@ -274,9 +308,16 @@ class ScriptSession:
             missed = self._missed()
             if missed:
                 total = sum(self._planned(p) for p in PHASES)
-                notes.append(f"the script ended after {seen} steps: {missed}; all phases take "
-                             f"{total} steps (lower --steps or --audit-steps, or let the script "
-                             "run longer)")
+                notes.append(f"the script {self.ended} after {seen} step"
+                             f"{'' if seen == 1 else 's'}: {missed}; all phases take {total} "
+                             "steps (lower --steps or --audit-steps, or let the script run "
+                             "longer)")
+            elif self.ended != "ended" and not self.finished:
+                notes.append(f"the script {self.ended} after {seen} step"
+                             f"{'' if seen == 1 else 's'}")
+        if self.step_at and kind != STEP_AT:
+            notes.insert(0, f"--step-at {short(self.step_at[0])}:{self.step_at[1]} never ran"
+                            + (f": the steps end at each {kind} instead" if kind else ""))
         if self.probe is not None and self.probe.uncovered:
             notes.append(f"{self.probe.uncovered} of the probed steps took the host longer than "
                          "the GPU sleep that held their kernels back (a slow batch?): not timed"
@@ -285,7 +326,7 @@ class ScriptSession:
             self.audit.reason = "the script ended before the audit"
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
         monitored = max(1, self.done["monitor"])
-        d = assess(m, self.audit, min(seen, warmup), step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
+        d = assess(m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
                    self.probe.steps if self.probe else 0, notes,
                    kernel_time=self.kernel_time,
                    launch_us=launch_cost_us() if gpu else None, sampler=self.sampler,
@@ -373,13 +414,47 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
                             ns.trace_steps, ns.step_at)
+    exit_, error = None, None
     try:
         session.run(ns.script, ns.args)
-    finally:
-        # Also when the script fails or exits: the report of what was measured, then its error.
+    except SystemExit as e:                      # sys.exit(), exit(), argparse's errors
+        exit_ = e
+        code = e.code if e.code is not None else 0
+        session.ended = f"exited with code {code!r}" if code != 0 else "exited"
+    except BaseException as e:                   # its error (KeyboardInterrupt too)
+        error = e
+        session.ended = f"stopped with {type(e).__name__}"
+    # Also when the script fails or exits: the report of what was measured, then its error and
+    # its exit code. A failure of the report itself must not hide either.
+    try:
         d = session.diagnosis()
-        print(d.report(), flush=True)
+        text = d.report()
+    except Exception:
+        print("\nsyncless doctor: the report failed (a bug in syncless: please report it):",
+              file=sys.stderr)
+        traceback.print_exc()
+    else:
+        # A blank line first: the script's last output may not end its line (a progress bar).
+        print("\n" + text, flush=True)
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(d.as_dict(), f, indent=1, default=str)
+    if error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            raise error
+        sys.stdout.flush()
+        _print_script_error(error, ns.script)
+        return 1                                 # what python script.py exits with
+    if exit_ is not None:
+        raise exit_
     return 0
+
+
+def _print_script_error(error: BaseException, script: str) -> None:
+    """The script's traceback as `python script.py` prints it: from the script's own frame, not
+    through the doctor's and runpy's (all of it when the script's frame is not on it)."""
+    path = os.path.abspath(script)
+    tb = error.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)
