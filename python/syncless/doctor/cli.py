@@ -434,8 +434,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         traceback.print_exc()
     else:
-        # A blank line first: the script's last output may not end its line (a progress bar).
-        print("\n" + text, flush=True)
+        # A newline first: the script's last output may not end its line (a progress bar).
+        try:
+            print("\n" + text, flush=True)
+        except BrokenPipeError:                  # `... | head`: the reader has gone
+            sys.stdout = open(os.devnull, "w")   # (and no second error at interpreter exit)
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(d.as_dict(), f, indent=1, default=str)
