@@ -248,8 +248,11 @@ def test_while_true_break_much_output_then_exit(tmp_path):
 
 
 def test_a_script_that_swallows_the_stop_is_stopped_again(tmp_path):
+    # It also points sys.stdout at a log file of its own (a tee without the terminal side) and
+    # leaves it so: the report still reaches the doctor's stdout.
     r = doctor(tmp_path, """
-        import torch
+        import sys, torch
+        sys.stdout = open("log.txt", "w")
         model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), 0.1)
         caught = 0
         for epoch in range(300):
@@ -263,7 +266,9 @@ def test_a_script_that_swallows_the_stop_is_stopped_again(tmp_path):
     """, *FAST, timeout=120)
     assert r.returncode == 0, r.stderr
     assert measured(r) == (4, 1)
-    caught = int(re.search(r"^caught (\d+)$", r.stdout, re.M).group(1))
+    log = (tmp_path / "log.txt").read_text()
+    assert "syncless doctor" not in log and r.stdout.startswith("\nsyncless doctor: ")
+    caught = int(re.search(r"^caught (\d+)$", log, re.M).group(1))
     # Every phase ran in epoch 0; that epoch and each one after it is stopped at its first step
     # again (not run to its end unmeasured).
     assert caught == 300
@@ -293,7 +298,7 @@ def test_step_at_a_line_inside_a_helper_function(tmp_path):
                "--step-at", "train.py:12")
     assert r.returncode == 0, r.stderr
     assert "ran 40 steps" in r.stdout
-    assert boundary(r) == "pass over train.py:12 (--step-at)"
+    assert boundary(r) == "pass over train.py:12 (--step-at) (per step: 1 × backward())"
     assert measured(r) == (38, 1)
     assert "note: the script ended after 40 steps" in r.stdout
 
@@ -324,7 +329,7 @@ def test_marker_steps_with_two_optimizers(tmp_path):
             syncless.step()
     """, *FAST)
     assert r.returncode == 0, r.stderr
-    assert boundary(r) == "syncless.step()"
+    assert boundary(r) == "syncless.step() (per step: 3 × optimizer.step(), 3 × backward())"
     assert measured(r) == (4, 1)
 
 
@@ -349,3 +354,31 @@ def test_starved_loader_with_waiting_workers_gets_more_workers(tmp_path):
                   r"makes a batch in [\d.]+ ms \(mostly waiting", r.stdout)
     assert m, r.stdout
     assert int(m.group(1)) > 2, "more workers than the two that starve the step"
+
+
+def test_compiled_model_gets_no_warning_from_the_doctor(tmp_path):
+    # A global module hook makes torch.compile'd modules warn (an error under -W error, which
+    # this script sets): the doctor finds the first module call without one.
+    r = doctor(tmp_path, """
+        import warnings
+        warnings.simplefilter("error")
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        cmodel = torch.compile(model, backend="eager")      # dynamo only: fast on CPU
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        for i in range(2000):
+            loss = cmodel(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """, *FAST)
+    assert r.returncode == 0, r.stderr
+    assert boundary(r) == "optimizer.step() (SGD)"
+    assert "torch.compile'd" in r.stdout
+    assert measured(r) == (4, 1)
+
+
+def test_code_torch_generates_is_not_the_users_line():
+    from syncless.doctor._frames import _kind
+    assert _kind("/tmp/torchinductor_alice/nd/cndwnzyq.py") == "torch"
+    assert _kind("/home/alice/.triton/cache/ab/kernel.py") == "torch"
+    assert _kind("<eval_with_key>.12") == "torch"
+    assert _kind("/home/alice/project/train.py") == "user"

@@ -39,7 +39,8 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ._boundary import BACKWARD, MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
+from ._boundary import (ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_AT, Boundaries,
+                        parse_step_at)
 from ._frames import short
 from ._loader import timed_dataloaders
 from ._sampler import StackSampler
@@ -101,7 +102,10 @@ class ScriptSession:
         self.monitor.add_data_wait(seconds)
 
     def add_data_cpu(self, wall: float, cpu: float) -> None:
-        self.monitor.add_data_cpu(wall, cpu)
+        # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU
+        # they spend once, not per batch).
+        if self.phase == "monitor":
+            self.monitor.add_data_cpu(wall, cpu)
 
     @property
     def loader(self) -> dict:
@@ -281,10 +285,17 @@ class ScriptSession:
                 # Gradient accumulation (or a step with several losses): say what a step is.
                 text += f", {backward:g} backward() calls per step"
             return text
+        if kind in (MARKER, STEP_AT):
+            text = (f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
+                    if kind == STEP_AT else kind)
+            # What the user's boundary holds: a line that runs more often than once a step
+            # (a loop header) or a marker in the wrong loop shows here.
+            counts = [(self.per_step(k), name) for k, name in
+                      ((ANY_OPTIMIZER, "optimizer.step()"), (BACKWARD, "backward()"))]
+            counts = [f"{n:.3g} × {name}" for n, name in counts if n]
+            return text + (f" (per step: {', '.join(counts)})" if counts else "")
         if kind == MODULE and self.bounds.model is not None:
             return f"end of {kind} ({type(self.bounds.model).__name__})"
-        if kind == STEP_AT and self.step_at:
-            return f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
         return kind or ""
 
     def diagnosis(self) -> Diagnosis:
@@ -434,11 +445,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         traceback.print_exc()
     else:
-        # A newline first: the script's last output may not end its line (a progress bar).
-        try:
-            print("\n" + text, flush=True)
-        except BrokenPipeError:                  # `... | head`: the reader has gone
-            sys.stdout = open(os.devnull, "w")   # (and no second error at interpreter exit)
+        _print_report(text)
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(d.as_dict(), f, indent=1, default=str)
@@ -451,6 +458,24 @@ def main(argv: list[str] | None = None) -> int:
     if exit_ is not None:
         raise exit_
     return 0
+
+
+def _print_report(text: str) -> None:
+    """To the doctor's own stdout, after the script's output: a script that set sys.stdout to a
+    log file of its own (a tee) and left it so would otherwise swallow the report."""
+    out = sys.__stdout__ or sys.stdout
+    for stream in {id(sys.stdout): sys.stdout, id(out): out}.values():
+        try:
+            stream.flush()                       # the script's output first
+        except (OSError, ValueError):            # closed by the script, or a gone reader
+            pass
+    try:
+        # A newline first: the script's last output may not end its line (a progress bar).
+        print("\n" + text, file=out, flush=True)
+    except BrokenPipeError:                      # `... | head`: the reader has gone
+        sys.stdout = open(os.devnull, "w")       # (and no second error at interpreter exit)
+    except (OSError, ValueError):                # no stdout at all: the report is lost, not the
+        pass                                     # script's exit code
 
 
 def _print_script_error(error: BaseException, script: str) -> None:
