@@ -382,3 +382,34 @@ def test_code_torch_generates_is_not_the_users_line():
     assert _kind("/home/alice/.triton/cache/ab/kernel.py") == "torch"
     assert _kind("<eval_with_key>.12") == "torch"
     assert _kind("/home/alice/project/train.py") == "user"
+
+
+def test_an_evaluation_loader_is_not_the_training_loaders_data_wait(tmp_path):
+    r = doctor(tmp_path, """
+        import time, torch
+        from torch.utils.data import DataLoader, Dataset, TensorDataset
+        class SlowVal(Dataset):
+            def __len__(self): return 8
+            def __getitem__(self, i):
+                time.sleep(0.01)
+                return torch.randn(8), torch.randn(1)
+        train = DataLoader(TensorDataset(torch.randn(4000, 8), torch.randn(4000, 1)),
+                           batch_size=32)
+        val = DataLoader(SlowVal(), batch_size=4)
+        model = torch.nn.Linear(8, 1); opt = torch.optim.SGD(model.parameters(), 0.01)
+        for step, (x, y) in enumerate(train):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+            if step % 5 == 0:
+                with torch.no_grad():
+                    val_loss = sum(torch.nn.functional.mse_loss(model(a), b) for a, b in val)
+    """, "--warmup", "1", "--steps", "10", "--audit-steps", "1")
+    assert r.returncode == 0, r.stderr
+    # 2 batches and the StopIteration every 5 steps: 0.6 next() per step.
+    assert ("note: 1 other DataLoader (SlowVal: 0.6 next()/step) blocked " in r.stdout
+            and "the data wait is that of the loader feeding the steps (TensorDataset, 1 "
+                "next()/step)" in r.stdout), r.stdout
+    m = re.search(r"^  data wait\s+([\d.]+)\s+.*\n  CPU \(step body\)\s+([\d.]+)", r.stdout, re.M)
+    assert m, r.stdout
+    assert float(m.group(1)) < float(m.group(2)), "the evaluation's 80 ms sleeps every 5 steps " \
+                                                  "are the step body's, not data wait"

@@ -114,6 +114,8 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
             return original(self)
         finally:
             wall = perf_counter() - t
+            if hasattr(monitor, "loader_wait"):
+                monitor.loader_wait(self, wall)        # which loader waited (the doctor's)
             monitor.add_data_wait(wall)
             if hasattr(monitor, "add_data_cpu"):
                 if self._num_workers == 0:

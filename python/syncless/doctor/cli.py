@@ -25,6 +25,7 @@ SYNCLESS_DOCTOR_KEEP_TRACE=PATH keeps a copy of the kernel trace the report read
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import runpy
@@ -42,7 +43,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from ._boundary import (ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_AT, Boundaries,
                         parse_step_at)
 from ._frames import short
-from ._loader import timed_dataloaders
+from ._loader import loader_settings, timed_dataloaders
 from ._sampler import StackSampler
 from .audit import Audit
 from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, trace_gpu
@@ -95,17 +96,38 @@ class ScriptSession:
         self._trace_path = None
         self._t0 = 0.0
         self._seen_monitor: tuple[dict, dict | None] | None = None   # boundary counts at its ends
+        # Per dataset, over the monitored steps: [dataset, next() calls, wait s, settings,
+        # data wall s, data CPU s]; in the order first seen.
+        self._loaders: dict = {}
+        self._last_loader: list | None = None
 
     # ---- the data-wait side of timed_dataloaders ------------------------------------------------
 
     def add_data_wait(self, seconds: float) -> None:
         self.monitor.add_data_wait(seconds)
 
+    def loader_wait(self, iterator, seconds: float) -> None:
+        """One next() of a DataLoader iterator: which loader (its dataset) and how long."""
+        if self.phase != "monitor":
+            self._last_loader = None
+            return
+        dataset = getattr(iterator, "_dataset", iterator)
+        rec = self._loaders.get(id(dataset))
+        if rec is None:
+            rec = self._loaders[id(dataset)] = [dataset, 0, 0.0, loader_settings(iterator),
+                                                0.0, 0.0]
+        rec[1] += 1
+        rec[2] += seconds
+        self._last_loader = rec
+
     def add_data_cpu(self, wall: float, cpu: float) -> None:
         # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU
         # they spend once, not per batch).
         if self.phase == "monitor":
             self.monitor.add_data_cpu(wall, cpu)
+            if self._last_loader is not None:
+                self._last_loader[4] += wall
+                self._last_loader[5] += cpu
 
     @property
     def loader(self) -> dict:
@@ -335,6 +357,7 @@ class ScriptSession:
                          + ("" if self.probe.steps else "; the GPU work is the trace's"))
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
+        m = self._feeding_loader_only(m, notes)
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
         monitored = max(1, self.done["monitor"])
         d = assess(m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
@@ -347,6 +370,27 @@ class ScriptSession:
         if self.traced:
             d.trace = self.trace
         return d
+
+    def _feeding_loader_only(self, m, notes: list):
+        """The data wait of the loader that feeds the steps (the most next() calls), not of
+        others (an evaluation loader every N steps): more workers for the training loader
+        would not shorten those; their waits count to the step body, with a note."""
+        if len(self._loaders) < 2 or not m.steps:
+            return m
+        recs = sorted(self._loaders.values(), key=lambda r: -r[1])   # stable: first seen wins
+        feeding, others = recs[0], recs[1:]
+        moved = sum(r[2] for r in others) * 1e3 / m.steps
+        name = (lambda r: type(r[0]).__name__)
+        notes.append(
+            f"{len(others)} other DataLoader{'s' if len(others) > 1 else ''} ("
+            + ", ".join(f"{name(r)}: {r[1] / m.steps:.3g} next()/step" for r in others)
+            + f") blocked {moved:.3f} ms/step (an evaluation loop?): counted to the step body; "
+            f"the data wait is that of the loader feeding the steps ({name(feeding)}, "
+            f"{feeding[1] / m.steps:.3g} next()/step)")
+        data_cpu = feeding[5] / feeding[4] if feeding[4] > 0 else None
+        loader = m.loader if feeding is next(iter(self._loaders.values())) else feeding[3]
+        return dataclasses.replace(m, data_ms=max(0.0, m.data_ms - moved),
+                                   cpu_ms=m.cpu_ms + moved, data_cpu=data_cpu, loader=loader)
 
     def _missed(self) -> str:
         parts = []
