@@ -470,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
                             ns.trace_steps, ns.step_at)
     exit_, error = None, None
+    script = os.path.abspath(ns.script)          # now: the script may chdir
     try:
         session.run(ns.script, ns.args)
     except SystemExit as e:                      # sys.exit(), exit(), argparse's errors
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error, KeyboardInterrupt):
             raise error
         sys.stdout.flush()
-        _print_script_error(error, ns.script)
+        _print_script_error(error, (ns.script, script))
         return 1                                 # what python script.py exits with
     if exit_ is not None:
         raise exit_
@@ -522,11 +523,12 @@ def _print_report(text: str) -> None:
         pass                                     # script's exit code
 
 
-def _print_script_error(error: BaseException, script: str) -> None:
+def _print_script_error(error: BaseException, script: tuple) -> None:
     """The script's traceback as `python script.py` prints it: from the script's own frame, not
-    through the doctor's and runpy's (all of it when the script's frame is not on it)."""
-    path = os.path.abspath(script)
+    through the doctor's and runpy's (all of it when the script's frame is not on it). `script`:
+    its path as given (runpy's code filename) and as an absolute path."""
     tb = error.__traceback__
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+    while tb is not None and tb.tb_frame.f_code.co_filename not in script and \
+            os.path.abspath(tb.tb_frame.f_code.co_filename) != script[1]:
         tb = tb.tb_next
     traceback.print_exception(type(error), error, tb or error.__traceback__)
