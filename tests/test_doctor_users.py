@@ -377,7 +377,9 @@ def test_compiled_model_gets_no_warning_from_the_doctor(tmp_path):
 
 
 def test_code_torch_generates_is_not_the_users_line():
-    from syncless.doctor._frames import _kind
+    import selectors
+    from syncless.doctor._frames import _kind, short
+    assert short(selectors.__file__) == "selectors.py", "the standard library's, shortened"
     assert _kind("/tmp/torchinductor_alice/nd/cndwnzyq.py") == "torch"
     assert _kind("/home/alice/.triton/cache/ab/kernel.py") == "torch"
     assert _kind("<eval_with_key>.12") == "torch"

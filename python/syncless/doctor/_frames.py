@@ -83,11 +83,15 @@ class Site(NamedTuple):
 
 def short(path: str) -> str:
     """A path as the report prints it: relative to the working folder when that is short, else
-    from the installed package's folder (`transformers/trainer.py`)."""
+    from the installed package's folder (`transformers/trainer.py`) or the standard library's
+    (`multiprocessing/connection.py`)."""
     for marker in _INSTALLED:
         i = path.rfind(marker)
         if i >= 0:
             return path[i + len(marker):]
+    for stdlib in _STDLIB:                       # the standard library's: `selectors.py`
+        if path.startswith(stdlib):
+            return path[len(stdlib):]
     try:
         rel = os.path.relpath(path)
     except ValueError:
