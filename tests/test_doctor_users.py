@@ -201,25 +201,29 @@ def test_steps_without_an_optimizer(tmp_path, kind):
     assert measured(r) == (4, 1)
 
 
-def test_script_error_reaches_the_user_after_the_report(tmp_path):
-    r = doctor(tmp_path, """
+@pytest.mark.parametrize("error", ['ValueError("bad batch at 20")', "KeyboardInterrupt"])
+def test_script_error_reaches_the_user_after_the_report(tmp_path, error):
+    r = doctor(tmp_path, f"""
         import torch
         model = torch.nn.Linear(16, 1); opt = torch.optim.SGD(model.parameters(), 0.1)
         for i in range(100):
             loss = model(torch.randn(8, 16)).pow(2).mean()
             opt.zero_grad(); loss.backward(); opt.step()
             if i == 20:
-                raise ValueError("bad batch at 20")
+                raise {error}
     """, "--warmup", "1", "--steps", "50")
-    assert r.returncode == 1, "what python train.py exits with"
+    interrupt = error == "KeyboardInterrupt"
+    # What python train.py exits with: 1, or killed by SIGINT (Ctrl-C) as python is.
+    assert r.returncode == (-2 if interrupt else 1), r.stderr
     err = r.stderr.strip().splitlines()
     assert err[0] == "Traceback (most recent call last):", r.stderr
     assert err[1].strip().startswith('File "') and 'train.py", line 8, in <module>' in err[1]
-    assert err[-1] == "ValueError: bad batch at 20"
+    assert err[-1] == ("KeyboardInterrupt" if interrupt else "ValueError: bad batch at 20")
     assert "cli.py" not in r.stderr and "runpy" not in r.stderr, "the doctor's frames are not " \
                                                                 "the script's"
     assert measured(r) == (19, 1)
-    assert "note: the script stopped with ValueError after 21 steps" in r.stdout
+    assert (f"note: the script stopped with {error.split('(')[0]} after 21 steps"
+            in r.stdout), r.stdout
 
 
 def test_while_true_break_much_output_then_exit(tmp_path):

@@ -495,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
             with open(ns.json, "w") as f:
                 json.dump(d.as_dict(), f, indent=1, default=str)
     if error is not None:
-        if isinstance(error, KeyboardInterrupt):
-            raise error
         sys.stdout.flush()
         _print_script_error(error, (ns.script, script))
+        if isinstance(error, KeyboardInterrupt):
+            _exit_by_sigint()
         return 1                                 # what python script.py exits with
     if exit_ is not None:
         raise exit_
@@ -521,6 +521,21 @@ def _print_report(text: str) -> None:
         sys.stdout = open(os.devnull, "w")       # (and no second error at interpreter exit)
     except (OSError, ValueError):                # no stdout at all: the report is lost, not the
         pass                                     # script's exit code
+
+
+def _exit_by_sigint() -> None:
+    """Exit as python does after a Ctrl-C the script did not catch: killed by SIGINT (the shell
+    sees 130), so a calling script knows it was interrupted."""
+    import signal
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if hasattr(signal, "SIGINT") and hasattr(os, "kill"):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(130)                        # no signals (or the kill came back): the code
 
 
 def _print_script_error(error: BaseException, script: tuple) -> None:
