@@ -34,6 +34,32 @@ def doctor(tmp_path, script, *options, args=(), cwd=None, timeout=180):
                           cwd=cwd or tmp_path, env=env)
 
 
+def doctor_all(tmp_path, cases: dict, timeout=180) -> dict:
+    """`doctor` on several scripts at once (each in its own folder; the runs wait mostly on
+    imports, so on 2 cores they finish in about half the time): name -> (script, options)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(ROOT, "python")] + [p for p in [env.get("PYTHONPATH")] if p])
+    procs = {}
+    for name, (text, options) in cases.items():
+        folder = tmp_path / name
+        script = write(folder / "train.py", text)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "syncless", "doctor", *options, str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder, env=env)
+    out = {}
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=timeout)
+            out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
 def boundary(r) -> str:
     m = re.search(r"^a step ends at each (.*)$", r.stdout, re.M)
     assert m, r.stdout
@@ -129,8 +155,7 @@ def test_sibling_import_and_data_file_next_to_the_script(tmp_path):
                                   for w in lines_named(r)), r.stdout
 
 
-def test_gradient_accumulation_says_what_a_step_is(tmp_path):
-    r = doctor(tmp_path, """
+ACCUMULATION = """
         import torch
         model = torch.nn.Linear(16, 2); opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for i in range(4000):
@@ -138,14 +163,9 @@ def test_gradient_accumulation_says_what_a_step_is(tmp_path):
             loss.backward()
             if (i + 1) % 4 == 0:
                 opt.step(); opt.zero_grad()
-    """, *FAST)
-    assert r.returncode == 0, r.stderr
-    assert boundary(r) == "optimizer.step() (SGD), 4 backward() calls per step"
-    assert measured(r) == (4, 1)
+    """
 
-
-def test_two_optimizers_gan_step_is_one_iteration(tmp_path):
-    r = doctor(tmp_path, """
+GAN = """
         import torch
         from torch import nn
         G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
@@ -159,16 +179,52 @@ def test_two_optimizers_gan_step_is_one_iteration(tmp_path):
             oD.zero_grad(); lD.backward(); oD.step()
             lG = bce(D(fake), torch.ones(8, 1))
             oG.zero_grad(); lG.backward(); oG.step()
-    """, *FAST)
-    assert r.returncode == 0, r.stderr
-    assert boundary(r) == ("optimizer.step() of the first optimizer stepped (Adam; 1 other "
-                           "stepped too: SGD), 2 backward() calls per step")
-    assert measured(r) == (4, 1)
+    """
+
+MARKER = """
+        import torch, syncless
+        G = torch.nn.Linear(4, 4); D = torch.nn.Linear(4, 1)
+        oG = torch.optim.SGD(G.parameters(), 0.1); oD = torch.optim.SGD(D.parameters(), 0.1)
+        for i in range(2000):
+            for _ in range(2):
+                lD = D(G(torch.randn(8, 4)).detach()).mean()
+                oD.zero_grad(); lD.backward(); oD.step()
+            lG = -D(G(torch.randn(8, 4))).mean(); oG.zero_grad(); lG.backward(); oG.step()
+            syncless.step()
+    """
+
+# A global module hook makes torch.compile'd modules warn (an error under -W error, which this
+# script sets): the doctor finds the first module call without one.
+COMPILED = """
+        import warnings
+        warnings.simplefilter("error")
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        cmodel = torch.compile(model, backend="eager")      # dynamo only: fast on CPU
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        for i in range(2000):
+            loss = cmodel(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """
 
 
-@pytest.mark.parametrize("kind", ["manual-sgd", "inference-loader", "inference-model"])
-def test_steps_without_an_optimizer(tmp_path, kind):
-    body = {
+def test_what_a_step_holds(tmp_path):
+    runs = doctor_all(tmp_path, {"accumulation": (ACCUMULATION, FAST), "gan": (GAN, FAST),
+                                 "marker": (MARKER, FAST), "compiled": (COMPILED, FAST)})
+    want = {
+        "accumulation": "optimizer.step() (SGD), 4 backward() calls per step",
+        "gan": ("optimizer.step() of the first optimizer stepped (Adam; 1 other stepped too: "
+                "SGD), 2 backward() calls per step"),
+        "marker": "syncless.step() (per step: 3 × optimizer.step(), 3 × backward())",
+        "compiled": "optimizer.step() (SGD)"}
+    for name, r in runs.items():
+        assert r.returncode == 0, (name, r.stderr)
+        assert boundary(r) == want[name], name
+        assert measured(r) == (4, 1), name
+    assert "torch.compile'd" in runs["compiled"].stdout
+
+
+NO_OPTIMIZER = {
         "manual-sgd": """
             model = torch.nn.Linear(16, 1)
             for i in range(5000):
@@ -192,38 +248,49 @@ def test_steps_without_an_optimizer(tmp_path, kind):
             with torch.inference_mode():
                 for x in xs:
                     model(x)
-        """}[kind]
-    r = doctor(tmp_path, "import torch\n" + textwrap.dedent(body), *FAST)
-    assert r.returncode == 0, r.stderr
-    assert boundary(r) == {"manual-sgd": "backward()", "inference-loader": "DataLoader next()",
-                           "inference-model": "end of the outermost nn.Module call "
-                                              "(Sequential)"}[kind]
-    assert measured(r) == (4, 1)
+        """}
 
 
-@pytest.mark.parametrize("error", ['ValueError("bad batch at 20")', "KeyboardInterrupt"])
-def test_script_error_reaches_the_user_after_the_report(tmp_path, error):
-    r = doctor(tmp_path, f"""
-        import torch
-        model = torch.nn.Linear(16, 1); opt = torch.optim.SGD(model.parameters(), 0.1)
-        for i in range(100):
-            loss = model(torch.randn(8, 16)).pow(2).mean()
-            opt.zero_grad(); loss.backward(); opt.step()
-            if i == 20:
-                raise {error}
-    """, "--warmup", "1", "--steps", "50")
-    interrupt = error == "KeyboardInterrupt"
-    # What python train.py exits with: 1, or killed by SIGINT (Ctrl-C) as python is.
-    assert r.returncode == (-2 if interrupt else 1), r.stderr
-    err = r.stderr.strip().splitlines()
-    assert err[0] == "Traceback (most recent call last):", r.stderr
-    assert err[1].strip().startswith('File "') and 'train.py", line 8, in <module>' in err[1]
-    assert err[-1] == ("KeyboardInterrupt" if interrupt else "ValueError: bad batch at 20")
-    assert "cli.py" not in r.stderr and "runpy" not in r.stderr, "the doctor's frames are not " \
-                                                                "the script's"
-    assert measured(r) == (19, 1)
-    assert (f"note: the script stopped with {error.split('(')[0]} after 21 steps"
-            in r.stdout), r.stdout
+def test_steps_without_an_optimizer(tmp_path):
+    runs = doctor_all(tmp_path, {kind: ("import torch\n" + textwrap.dedent(body), FAST)
+                                 for kind, body in NO_OPTIMIZER.items()})
+    want = {"manual-sgd": "backward()", "inference-loader": "DataLoader next()",
+            "inference-model": "end of the outermost nn.Module call (Sequential)"}
+    for kind, r in runs.items():
+        assert r.returncode == 0, (kind, r.stderr)
+        assert boundary(r) == want[kind], kind
+        assert measured(r) == (4, 1), kind
+
+
+FAILING = """
+    import torch
+    model = torch.nn.Linear(16, 1); opt = torch.optim.SGD(model.parameters(), 0.1)
+    for i in range(100):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        if i == 20:
+            raise {error}
+"""
+
+
+def test_script_error_reaches_the_user_after_the_report(tmp_path):
+    errors = {"ValueError": 'ValueError("bad batch at 20")',
+              "KeyboardInterrupt": "KeyboardInterrupt"}
+    runs = doctor_all(tmp_path, {name: (FAILING.format(error=e), ("--warmup", "1", "--steps",
+                                                                  "50"))
+                                 for name, e in errors.items()})
+    for name, r in runs.items():
+        # What python train.py exits with: 1, or killed by SIGINT (Ctrl-C) as python is.
+        assert r.returncode == (-2 if name == "KeyboardInterrupt" else 1), (name, r.stderr)
+        err = r.stderr.strip().splitlines()
+        assert err[0] == "Traceback (most recent call last):", r.stderr
+        assert err[1].strip().startswith('File "') and 'train.py", line 8, in <module>' in err[1]
+        assert err[-1] == ("KeyboardInterrupt" if name == "KeyboardInterrupt"
+                           else "ValueError: bad batch at 20")
+        assert "cli.py" not in r.stderr and "runpy" not in r.stderr, \
+            "the doctor's frames are not the script's"
+        assert measured(r) == (19, 1), name
+        assert f"note: the script stopped with {name} after 21 steps" in r.stdout, r.stdout
 
 
 def test_while_true_break_much_output_then_exit(tmp_path):
@@ -320,23 +387,6 @@ def test_step_at_a_line_that_cannot_run_is_an_error(tmp_path, line, problem):
     assert parse_step_at(f"{path}:12") == (str(path), 12)
 
 
-def test_marker_steps_with_two_optimizers(tmp_path):
-    r = doctor(tmp_path, """
-        import torch, syncless
-        G = torch.nn.Linear(4, 4); D = torch.nn.Linear(4, 1)
-        oG = torch.optim.SGD(G.parameters(), 0.1); oD = torch.optim.SGD(D.parameters(), 0.1)
-        for i in range(2000):
-            for _ in range(2):
-                lD = D(G(torch.randn(8, 4)).detach()).mean()
-                oD.zero_grad(); lD.backward(); oD.step()
-            lG = -D(G(torch.randn(8, 4))).mean(); oG.zero_grad(); lG.backward(); oG.step()
-            syncless.step()
-    """, *FAST)
-    assert r.returncode == 0, r.stderr
-    assert boundary(r) == "syncless.step() (per step: 3 × optimizer.step(), 3 × backward())"
-    assert measured(r) == (4, 1)
-
-
 def test_starved_loader_with_waiting_workers_gets_more_workers(tmp_path):
     r = doctor(tmp_path, """
         import time, torch
@@ -358,26 +408,6 @@ def test_starved_loader_with_waiting_workers_gets_more_workers(tmp_path):
                   r"makes a batch in [\d.]+ ms \(mostly waiting", r.stdout)
     assert m, r.stdout
     assert int(m.group(1)) > 2, "more workers than the two that starve the step"
-
-
-def test_compiled_model_gets_no_warning_from_the_doctor(tmp_path):
-    # A global module hook makes torch.compile'd modules warn (an error under -W error, which
-    # this script sets): the doctor finds the first module call without one.
-    r = doctor(tmp_path, """
-        import warnings
-        warnings.simplefilter("error")
-        import torch
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        cmodel = torch.compile(model, backend="eager")      # dynamo only: fast on CPU
-        opt = torch.optim.SGD(model.parameters(), 0.1)
-        for i in range(2000):
-            loss = cmodel(torch.randn(4, 8)).pow(2).mean()
-            opt.zero_grad(); loss.backward(); opt.step()
-    """, *FAST)
-    assert r.returncode == 0, r.stderr
-    assert boundary(r) == "optimizer.step() (SGD)"
-    assert "torch.compile'd" in r.stdout
-    assert measured(r) == (4, 1)
 
 
 def test_code_torch_generates_is_not_the_users_line():
