@@ -19,7 +19,8 @@ another, at its step boundaries:
            https://ui.perfetto.dev; last, because torch.profiler takes CUPTI over
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
-sooner gets the report of what was measured, with a note naming the phases that did not run.
+sooner gets the report of what was measured, with a note naming the phases that did not run, then
+its own traceback (an error) and its exit code.
 SYNCLESS_DOCTOR_KEEP_TRACE=PATH keeps a copy of the kernel trace the report read (diagnostics).
 """
 from __future__ import annotations
