@@ -319,7 +319,8 @@ def test_cli_script_error_comes_after_the_report(tmp_path):
     assert r.returncode == 1
     assert "ValueError: diverged at step 6" in r.stderr
     assert "3 measured steps (+2 warm-up, 1 audited)" in r.stdout, r.stdout
-    assert "the script ended after 7 steps: the audit ran 1 of 10 steps" in r.stdout
+    assert ("the script stopped with ValueError after 7 steps: the audit ran 1 of 10 steps"
+            in r.stdout)
 
 
 @pytest.mark.parametrize("argv, error", [

@@ -22,6 +22,9 @@ MARKER, STEP_AT, OPTIMIZER, BACKWARD, LOADER, MODULE = KINDS = (
     "syncless.step()", "--step-at", "optimizer.step()", "backward()", "DataLoader next()",
     "the outermost nn.Module call")
 
+# Not a boundary: every optimizer's step() (the boundary counts only the first optimizer's).
+ANY_OPTIMIZER = "optimizer.step() of any optimizer"
+
 _active: "Boundaries | None" = None
 
 
@@ -33,13 +36,27 @@ def step() -> None:
 
 
 def parse_step_at(text: str) -> tuple[str, int]:
-    """FILE:LINE -> (absolute path, line); ValueError naming what is wrong."""
+    """FILE:LINE -> (absolute path, line); ValueError naming what is wrong (no such file, a line
+    past its end, a line without code: such a line never runs, and the steps would silently end
+    at another boundary)."""
     path, sep, line = text.rpartition(":")
     if not sep or not path or not line.isdigit() or int(line) < 1:
         raise ValueError(f"expected FILE:LINE with a line number >= 1, got {text!r}")
     if not os.path.isfile(path):
         raise ValueError(f"file not found: {path}")
-    return os.path.abspath(path), int(line)
+    n = int(line)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    if n > len(lines):
+        raise ValueError(f"{path} has {len(lines)} lines: line {n} is past its end")
+    code = lines[n - 1].strip()
+    if not code or code.startswith("#"):
+        raise ValueError(f"line {n} of {path} has no code ({'a comment' if code else 'blank'}): "
+                         "name a line that runs once per step")
+    return os.path.abspath(path), n
 
 
 def _capturing() -> bool:
@@ -55,12 +72,14 @@ class Boundaries:
         self.on_boundary = on_boundary
         self.step_at = step_at
         self.kind: str | None = None
-        self.seen = dict.fromkeys(KINDS, 0)
+        self.seen = dict.fromkeys(KINDS + (ANY_OPTIMIZER,), 0)
         self.optimizer = None                  # the first optimizer stepped: one per step
+        self.optimizers: list = []             # every optimizer stepped, in order of first step
         self.model = None                      # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self._handles: list = []
         self._backward = None
+        self._module_call = None               # nn.Module.__call__ while it is replaced
         self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
         self._saved_trace = None
 
@@ -87,9 +106,18 @@ class Boundaries:
         handle = register_optimizer_step_post_hook(self._on_optimizer)
         handle._doctor_optimizer = True
         self._handles.append(handle)
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._on_first_module)
-        handle._doctor_global = True
-        self._handles.append(handle)
+        # The first module call, through nn.Module.__call__ itself until it comes: a global
+        # module hook would make torch.compile'd modules warn that global hooks are set (a
+        # warning the script does not have without the doctor, an error under -W error).
+        module_call = self._module_call = torch.nn.Module.__call__
+
+        def first_call(module, *args, **kwargs):
+            if self.model is None and not _capturing():
+                self._restore_module_call()
+                self._on_first_module(module)
+            return module_call(module, *args, **kwargs)
+
+        torch.nn.Module.__call__ = first_call
         original = self._backward = torch.autograd.backward
 
         def backward(*args, **kwargs):
@@ -105,6 +133,7 @@ class Boundaries:
         global _active
         if _active is self:
             _active = None
+        self._restore_module_call()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -141,23 +170,25 @@ class Boundaries:
     def _on_optimizer(self, optimizer, args, kwargs) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
+        if not any(o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        if not _capturing():
+            self.seen[ANY_OPTIMIZER] += 1
         if optimizer is self.optimizer:
             self.fire(OPTIMIZER)
 
-    def _on_first_module(self, module, args) -> None:
-        # The first module called is the outermost one (nothing else runs yet). The global hook
-        # puts every module call on torch's slow path, so it goes at once; one hook on the model
-        # stays (a forward hook: the call's end is the boundary).
-        if self.model is not None or _capturing():
-            return
+    def _restore_module_call(self) -> None:
+        if self._module_call is not None:
+            torch.nn.Module.__call__ = self._module_call
+            self._module_call = None
+
+    def _on_first_module(self, module) -> None:
+        # The first module called is the outermost one (nothing else runs yet). Module.__call__
+        # is torch's again at once; hooks on the model stay, registered before its call runs
+        # (a forward hook: the call's end is the boundary; a pre-hook: autocast at each call).
         self.model = module
-        for h in self._handles[:]:
-            if getattr(h, "_doctor_global", False):
-                h.remove()
-                self._handles.remove(h)
         self._handles.append(module.register_forward_hook(lambda m, a, o: self.fire(MODULE)))
         self._handles.append(module.register_forward_pre_hook(self._on_model_call))
-        self._on_model_call(module, args)
 
     def _on_model_call(self, module, args) -> None:
         if not self.autocast:

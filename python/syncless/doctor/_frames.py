@@ -17,6 +17,19 @@ _STDLIB = tuple({os.path.abspath(p) + os.sep for k in ("stdlib", "platstdlib")
                  if (p := sysconfig.get_paths().get(k))})
 _INSTALLED = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 _MAX_CHAIN = 40
+# Code torch writes and runs: torch.compile's (inductor's cache, TORCHINDUCTOR_CACHE_DIR, by default
+# <tmp>/torchinductor_<user>/), Triton's cache, and torch.fx's generated forward functions. It is
+# torch's, never the user's line.
+_GENERATED = tuple(os.path.abspath(p) + os.sep for p in
+                   (os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR"))
+                   if p)
+_GENERATED_PARTS = (os.sep + "torchinductor_", os.sep + ".triton" + os.sep)
+
+
+def _generated(filename: str, path: str) -> bool:
+    if filename.startswith("<eval_with_key>"):
+        return True
+    return path.startswith(_GENERATED) or any(part in path for part in _GENERATED_PARTS)
 
 # filename -> "user" | "torch" | "syncless" | "library"
 _kinds: dict[str, str] = {}
@@ -28,7 +41,7 @@ def _kind(filename: str) -> str:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_SYNCLESS):
             kind = "syncless"
-        elif path.startswith(_TORCH):
+        elif path.startswith(_TORCH) or _generated(filename, path):
             kind = "torch"
         elif filename.startswith("<frozen") or path.startswith(_STDLIB) or \
                 any(s in path for s in _INSTALLED):
@@ -70,11 +83,15 @@ class Site(NamedTuple):
 
 def short(path: str) -> str:
     """A path as the report prints it: relative to the working folder when that is short, else
-    from the installed package's folder (`transformers/trainer.py`)."""
+    from the installed package's folder (`transformers/trainer.py`) or the standard library's
+    (`multiprocessing/connection.py`)."""
     for marker in _INSTALLED:
         i = path.rfind(marker)
         if i >= 0:
             return path[i + len(marker):]
+    for stdlib in _STDLIB:                       # the standard library's: `selectors.py`
+        if path.startswith(stdlib):
+            return path[len(stdlib):]
     try:
         rel = os.path.relpath(path)
     except ValueError:

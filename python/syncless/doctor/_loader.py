@@ -38,13 +38,73 @@ def loader_settings(loader: Any) -> dict:
     return {}
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+WORKER_READ_S = 0.05    # read the workers' CPU time at most this often (a /proc read per worker)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK      # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _WorkerCpu:
+    """The CPU share of an iterator's worker processes: CPU seconds over worker-wall seconds,
+    read at most every WORKER_READ_S. Tells workers that compute (a CPU each) from workers that
+    mostly wait (disk, network, a sleep), which more of them fix without more CPUs. When the
+    workers together keep the CPUs they may have busy, they compute, whatever each one's share
+    (too many workers on too few CPUs): then the share counted is 1."""
+
+    def __init__(self, pids: list):
+        self.pids = pids
+        self.t = perf_counter()
+        self.cpu = self._read()
+
+    def _read(self) -> float | None:
+        total = 0.0
+        for pid in self.pids:
+            c = process_cpu_s(pid)
+            if c is None:
+                return None
+            total += c
+        return total
+
+    def delta(self) -> tuple[float, float] | None:
+        """(worker-wall seconds, CPU seconds) since the last reading; None: not yet, or unread."""
+        now = perf_counter()
+        if now - self.t < WORKER_READ_S or self.cpu is None:
+            return None
+        cpu = self._read()
+        if cpu is None:
+            self.cpu = None
+            return None
+        elapsed, used = now - self.t, cpu - self.cpu
+        self.t, self.cpu = now, cpu
+        if used / elapsed >= 0.5 * max(1, cpu_count() - 1):     # CPUs the workers kept busy
+            return elapsed * len(self.pids), elapsed * len(self.pids)
+        return elapsed * len(self.pids), used
+
+
+def _worker_pids(it: Any) -> list:
+    try:
+        return [w.pid for w in it._workers if w.pid is not None]
+    except (AttributeError, TypeError):
+        return []
+
+
 @contextlib.contextmanager
 def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
     """Time every DataLoader iterator's next() into `monitor.add_data_wait` (for steps that fetch
-    their own batches); `on_next()` runs before each next() (a step boundary). Restores
-    DataLoader on exit."""
+    their own batches), and the CPU share of the loading into `monitor.add_data_cpu`: the
+    training thread's while it makes the batches (num_workers=0), else the worker processes'.
+    `on_next()` runs before each next() (a step boundary). Restores DataLoader on exit."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
     original = _BaseDataLoaderIter.__next__
+    workers: dict = {}          # id(iterator) -> (_WorkerCpu, the iterator's worker pids)
 
     def timed_next(self):
         if on_next is not None:
@@ -54,11 +114,28 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
             return original(self)
         finally:
             wall = perf_counter() - t
+            if hasattr(monitor, "loader_wait"):
+                monitor.loader_wait(self, wall)        # which loader waited (the doctor's)
             monitor.add_data_wait(wall)
-            if self._num_workers == 0 and hasattr(monitor, "add_data_cpu"):
-                monitor.add_data_cpu(wall, thread_time() - c)
+            if hasattr(monitor, "add_data_cpu"):
+                if self._num_workers == 0:
+                    monitor.add_data_cpu(wall, thread_time() - c)
+                else:
+                    _add_worker_cpu(self)
             if not monitor.loader:
                 monitor.loader = loader_settings(self)
+
+    def _add_worker_cpu(it) -> None:
+        pids = _worker_pids(it)
+        if not pids:
+            return
+        held = workers.get(id(it))
+        if held is None or held[1] != pids:          # a new iterator, or restarted workers
+            workers[id(it)] = (_WorkerCpu(pids), pids)
+            return
+        got = held[0].delta()
+        if got is not None:
+            monitor.add_data_cpu(*got)
 
     _BaseDataLoaderIter.__next__ = timed_next
     try:
@@ -96,9 +173,9 @@ class WorkerPlan:
 
 def plan_workers(settings: dict, data_ms: float, step_ms: float, target_ms: float,
                  cpus: int | None = None, data_cpu: float | None = None) -> WorkerPlan:
-    """`data_cpu`: the CPU share of the loading measured on the training thread (num_workers=0);
-    under 0.5 the loading mostly waits, and workers need no CPU each."""
+    """`data_cpu`: the CPU share of the loading, measured on the training thread (num_workers=0)
+    or in the workers; under 0.5 the loading mostly waits, and workers need no CPU each."""
     workers = settings.get("num_workers") or 0
     per_batch = data_ms if workers == 0 else workers * step_ms
-    computes = data_cpu is None or workers > 0 or data_cpu >= 0.5
+    computes = data_cpu is None or data_cpu >= 0.5
     return WorkerPlan(workers, per_batch, target_ms, cpus or cpu_count(), computes)

@@ -19,12 +19,14 @@ another, at its step boundaries:
            https://ui.perfetto.dev; last, because torch.profiler takes CUPTI over
 
 Then the script is stopped and the report printed (--json PATH: also as JSON). A script that ends
-sooner gets the report of what was measured, with a note naming the phases that did not run.
+sooner gets the report of what was measured, with a note naming the phases that did not run, then
+its own traceback (an error) and its exit code.
 SYNCLESS_DOCTOR_KEEP_TRACE=PATH keeps a copy of the kernel trace the report read (diagnostics).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import runpy
@@ -32,15 +34,17 @@ import shutil
 import sys
 import tempfile
 import threading
+import traceback
 from time import perf_counter
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ._boundary import MODULE, OPTIMIZER, STEP_AT, Boundaries, parse_step_at
+from ._boundary import (ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_AT, Boundaries,
+                        parse_step_at)
 from ._frames import short
-from ._loader import timed_dataloaders
+from ._loader import loader_settings, timed_dataloaders
 from ._sampler import StackSampler
 from .audit import Audit
 from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, trace_gpu
@@ -71,6 +75,8 @@ class ScriptSession:
         self.step_at = step_at
         self.bounds = Boundaries(self.on_boundary, step_at)
         self._loader: dict = {}
+        self.finished = False                    # every phase ran: the script is being stopped
+        self.ended = "ended"                     # how the script ended, for the report's notes
         self._reset()
 
     def _reset(self) -> None:
@@ -90,14 +96,39 @@ class ScriptSession:
         self._profile = None
         self._trace_path = None
         self._t0 = 0.0
+        self._seen_monitor: tuple[dict, dict | None] | None = None   # boundary counts at its ends
+        # Per dataset, over the monitored steps: [dataset, next() calls, wait s, settings,
+        # data wall s, data CPU s]; in the order first seen.
+        self._loaders: dict = {}
+        self._last_loader: list | None = None
 
     # ---- the data-wait side of timed_dataloaders ------------------------------------------------
 
     def add_data_wait(self, seconds: float) -> None:
         self.monitor.add_data_wait(seconds)
 
+    def loader_wait(self, iterator, seconds: float) -> None:
+        """One next() of a DataLoader iterator: which loader (its dataset) and how long."""
+        if self.phase != "monitor":
+            self._last_loader = None
+            return
+        dataset = getattr(iterator, "_dataset", iterator)
+        rec = self._loaders.get(id(dataset))
+        if rec is None:
+            rec = self._loaders[id(dataset)] = [dataset, 0, 0.0, loader_settings(iterator),
+                                                0.0, 0.0]
+        rec[1] += 1
+        rec[2] += seconds
+        self._last_loader = rec
+
     def add_data_cpu(self, wall: float, cpu: float) -> None:
-        self.monitor.add_data_cpu(wall, cpu)
+        # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU
+        # they spend once, not per batch).
+        if self.phase == "monitor":
+            self.monitor.add_data_cpu(wall, cpu)
+            if self._last_loader is not None:
+                self._last_loader[4] += wall
+                self._last_loader[5] += cpu
 
     @property
     def loader(self) -> dict:
@@ -143,6 +174,10 @@ class ScriptSession:
             self._opt_t0 = None
 
     def on_boundary(self, kind: str, restart: bool) -> None:
+        if self.finished:
+            # The script caught _Done (a bare `except:`, `except BaseException`) and went on:
+            # stop it again, or it would run to its end unmeasured.
+            raise _Done
         if restart:
             # A stronger boundary appeared (the first optimizer.step() after the first
             # backward()): what ran so far measured other steps; start over at this one.
@@ -162,6 +197,7 @@ class ScriptSession:
         self._leave(finished=True)
         following = self._after(self.entered[-1])
         if following is None:
+            self.finished = True
             raise _Done
         self._enter(following)
         self._open_step()
@@ -199,8 +235,9 @@ class ScriptSession:
         self.entered.append(phase)
         if phase == "monitor":
             self.optimizer_s = 0.0
+            self.sampler.start()                 # before the clock: its thread's start is ours
+            self._seen_monitor = (dict(self.bounds.seen), None)
             self._t0 = self._drained_clock()
-            self.sampler.start()
         elif phase == "probe":
             self.probe = QueueProbe(self.step_ms)
         elif phase == "audit":
@@ -220,9 +257,10 @@ class ScriptSession:
     def _leave(self, finished: bool) -> None:
         phase, self.phase = self.phase, None
         if phase == "monitor":
-            self.sampler.stop()
             if finished:
                 self.step_ms = (self._drained_clock() - self._t0) * 1e3 / self.done["monitor"]
+            self.sampler.stop()                  # after the clock: joining it is ours
+            self._seen_monitor = (self._seen_monitor[0], dict(self.bounds.seen))
         elif phase == "probe":
             self.gpu_pure_ms = self.probe.median_ms()
         elif phase == "audit":
@@ -247,14 +285,40 @@ class ScriptSession:
 
     # ---- the report -----------------------------------------------------------------------------
 
+    def per_step(self, kind: str) -> float | None:
+        """How many times `kind` fired per monitored step (None: no monitored step)."""
+        steps = self.done["monitor"]
+        if not steps or self._seen_monitor is None:
+            return None
+        first, last = self._seen_monitor
+        return ((last or self.bounds.seen)[kind] - first[kind]) / steps
+
     def boundary_text(self) -> str:
         kind = self.bounds.kind
         if kind == OPTIMIZER and self.bounds.optimizer is not None:
-            return f"{kind} ({type(self.bounds.optimizer).__name__})"
+            text = f"{kind} ({type(self.bounds.optimizer).__name__})"
+            others = len(self.bounds.optimizers) - 1
+            if others:
+                names = ", ".join(type(o).__name__ for o in self.bounds.optimizers[1:])
+                text = (f"{kind} of the first optimizer stepped ("
+                        f"{type(self.bounds.optimizer).__name__}; {others} other"
+                        f"{'s' if others > 1 else ''} stepped too: {names})")
+            backward = self.per_step(BACKWARD)
+            if backward is not None and backward != 1:
+                # Gradient accumulation (or a step with several losses): say what a step is.
+                text += f", {backward:g} backward() calls per step"
+            return text
+        if kind in (MARKER, STEP_AT):
+            text = (f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
+                    if kind == STEP_AT else kind)
+            # What the user's boundary holds: a line that runs more often than once a step
+            # (a loop header) or a marker in the wrong loop shows here.
+            counts = [(self.per_step(k), name) for k, name in
+                      ((ANY_OPTIMIZER, "optimizer.step()"), (BACKWARD, "backward()"))]
+            counts = [f"{n:.3g} × {name}" for n, name in counts if n]
+            return text + (f" (per step: {', '.join(counts)})" if counts else "")
         if kind == MODULE and self.bounds.model is not None:
             return f"end of {kind} ({type(self.bounds.model).__name__})"
-        if kind == STEP_AT and self.step_at:
-            return f"pass over {short(self.step_at[0])}:{self.step_at[1]} (--step-at)"
         return kind or ""
 
     def diagnosis(self) -> Diagnosis:
@@ -266,7 +330,11 @@ class ScriptSession:
         kind = self.bounds.kind
         seen = self.bounds.seen.get(kind, 0) if kind else 0
         notes = []
-        if kind is None:
+        if kind is None and self.ended != "ended":
+            notes.append(f"the script {self.ended} before its first step boundary (an "
+                         "optimizer.step(), backward(), DataLoader next() or nn.Module call): "
+                         "nothing was measured")
+        elif kind is None:
             notes.append("no step boundary was seen (no optimizer.step(), backward(), DataLoader "
                          "next() or nn.Module call): mark the end of each step with "
                          "syncless.step(), or name its line with --step-at FILE:LINE")
@@ -274,18 +342,26 @@ class ScriptSession:
             missed = self._missed()
             if missed:
                 total = sum(self._planned(p) for p in PHASES)
-                notes.append(f"the script ended after {seen} steps: {missed}; all phases take "
-                             f"{total} steps (lower --steps or --audit-steps, or let the script "
-                             "run longer)")
+                notes.append(f"the script {self.ended} after {seen} step"
+                             f"{'' if seen == 1 else 's'}: {missed}; all phases take {total} "
+                             "steps (lower --steps or --audit-steps, or let the script run "
+                             "longer)")
+            elif self.ended != "ended" and not self.finished:
+                notes.append(f"the script {self.ended} after {seen} step"
+                             f"{'' if seen == 1 else 's'}")
+        if self.step_at and kind != STEP_AT:
+            notes.insert(0, f"--step-at {short(self.step_at[0])}:{self.step_at[1]} never ran"
+                            + (f": the steps end at each {kind} instead" if kind else ""))
         if self.probe is not None and self.probe.uncovered:
             notes.append(f"{self.probe.uncovered} of the probed steps took the host longer than "
                          "the GPU sleep that held their kernels back (a slow batch?): not timed"
                          + ("" if self.probe.steps else "; the GPU work is the trace's"))
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
+        m = self._feeding_loader_only(m, notes)
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
         monitored = max(1, self.done["monitor"])
-        d = assess(m, self.audit, min(seen, warmup), step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
+        d = assess(m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
                    self.probe.steps if self.probe else 0, notes,
                    kernel_time=self.kernel_time,
                    launch_us=launch_cost_us() if gpu else None, sampler=self.sampler,
@@ -295,6 +371,27 @@ class ScriptSession:
         if self.traced:
             d.trace = self.trace
         return d
+
+    def _feeding_loader_only(self, m, notes: list):
+        """The data wait of the loader that feeds the steps (the most next() calls), not of
+        others (an evaluation loader every N steps): more workers for the training loader
+        would not shorten those; their waits count to the step body, with a note."""
+        if len(self._loaders) < 2 or not m.steps:
+            return m
+        recs = sorted(self._loaders.values(), key=lambda r: -r[1])   # stable: first seen wins
+        feeding, others = recs[0], recs[1:]
+        moved = sum(r[2] for r in others) * 1e3 / m.steps
+        name = (lambda r: type(r[0]).__name__)
+        notes.append(
+            f"{len(others)} other DataLoader{'s' if len(others) > 1 else ''} ("
+            + ", ".join(f"{name(r)}: {r[1] / m.steps:.3g} next()/step" for r in others)
+            + f") blocked {moved:.3f} ms/step (an evaluation loop?): counted to the step body; "
+            f"the data wait is that of the loader feeding the steps ({name(feeding)}, "
+            f"{feeding[1] / m.steps:.3g} next()/step)")
+        data_cpu = feeding[5] / feeding[4] if feeding[4] > 0 else None
+        loader = m.loader if feeding is next(iter(self._loaders.values())) else feeding[3]
+        return dataclasses.replace(m, data_ms=max(0.0, m.data_ms - moved),
+                                   cpu_ms=m.cpu_ms + moved, data_cpu=data_cpu, loader=loader)
 
     def _missed(self) -> str:
         parts = []
@@ -373,13 +470,81 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
                             ns.trace_steps, ns.step_at)
+    exit_, error = None, None
+    script = os.path.abspath(ns.script)          # now: the script may chdir
     try:
         session.run(ns.script, ns.args)
-    finally:
-        # Also when the script fails or exits: the report of what was measured, then its error.
+    except SystemExit as e:                      # sys.exit(), exit(), argparse's errors
+        exit_ = e
+        code = e.code if e.code is not None else 0
+        session.ended = f"exited with code {code!r}" if code != 0 else "exited"
+    except BaseException as e:                   # its error (KeyboardInterrupt too)
+        error = e
+        session.ended = f"stopped with {type(e).__name__}"
+    # Also when the script fails or exits: the report of what was measured, then its error and
+    # its exit code. A failure of the report itself must not hide either.
+    try:
         d = session.diagnosis()
-        print(d.report(), flush=True)
+        text = d.report()
+    except Exception:
+        print("\nsyncless doctor: the report failed (a bug in syncless: please report it):",
+              file=sys.stderr)
+        traceback.print_exc()
+    else:
+        _print_report(text)
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump(d.as_dict(), f, indent=1, default=str)
+    if error is not None:
+        sys.stdout.flush()
+        _print_script_error(error, (ns.script, script))
+        if isinstance(error, KeyboardInterrupt):
+            _exit_by_sigint()
+        return 1                                 # what python script.py exits with
+    if exit_ is not None:
+        raise exit_
     return 0
+
+
+def _print_report(text: str) -> None:
+    """To the doctor's own stdout, after the script's output: a script that set sys.stdout to a
+    log file of its own (a tee) and left it so would otherwise swallow the report."""
+    out = sys.__stdout__ or sys.stdout
+    for stream in {id(sys.stdout): sys.stdout, id(out): out}.values():
+        try:
+            stream.flush()                       # the script's output first
+        except (OSError, ValueError):            # closed by the script, or a gone reader
+            pass
+    try:
+        # A newline first: the script's last output may not end its line (a progress bar).
+        print("\n" + text, file=out, flush=True)
+    except BrokenPipeError:                      # `... | head`: the reader has gone
+        sys.stdout = open(os.devnull, "w")       # (and no second error at interpreter exit)
+    except (OSError, ValueError):                # no stdout at all: the report is lost, not the
+        pass                                     # script's exit code
+
+
+def _exit_by_sigint() -> None:
+    """Exit as python does after a Ctrl-C the script did not catch: killed by SIGINT (the shell
+    sees 130), so a calling script knows it was interrupted."""
+    import signal
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if hasattr(signal, "SIGINT") and hasattr(os, "kill"):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(130)                        # no signals (or the kill came back): the code
+
+
+def _print_script_error(error: BaseException, script: tuple) -> None:
+    """The script's traceback as `python script.py` prints it: from the script's own frame, not
+    through the doctor's and runpy's (all of it when the script's frame is not on it). `script`:
+    its path as given (runpy's code filename) and as an absolute path."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename not in script and \
+            os.path.abspath(tb.tb_frame.f_code.co_filename) != script[1]:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)

@@ -71,9 +71,15 @@ def render_doctor(d: Any) -> str:
         ran.append(f"{d.audit.step_count} audited")
     if d.probe_steps:
         ran.append(f"{d.probe_steps} probed")
-    lines = [f"syncless doctor: {m.steps} measured steps ({', '.join(ran)})"]
+    lines = [f"syncless doctor: {m.steps} measured step{'' if m.steps == 1 else 's'} "
+             f"({', '.join(ran)})"]
     if d.boundary:
         lines.append(f"a step ends at each {d.boundary}")
+    if m.steps == 0:
+        # Nothing measured: no verdict and no table of zeros, only why.
+        lines.append("")
+        lines += [f"note: {n}" for n in d.notes] or ["note: no step was measured"]
+        return "\n".join(lines)
     lines += ["", f"verdict: {d.verdict}"]
     if d.headroom:
         lines.append(f"headroom: {d.headroom}")
