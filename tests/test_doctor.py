@@ -622,6 +622,14 @@ def test_prescriptions_leave_out_what_is_already_on():
     assert few.fixes[0].startswith("no worker count is enough") and "7 workers" in few.fixes[0]
     assert few.fixes[0].predicted_ms == pytest.approx(160 / 7)
     assert "augment on the GPU" in few.fixes[0]
+    # 4 workers on 4 CPUs already: no count helps and none is predicted, yet the step is
+    # data-bound; the finding ranks by the wait it could win back (30 ms down to the 10 ms body).
+    full = starvation_finding(30.0, 40.0, 8.0, settings, cuda=True, cpus=4)
+    assert full.fixes[0].predicted_ms is None and full.cost_ms == pytest.approx(30.0)
+    assert "wins back up to 30.00 ms/step" in full.fixes[0]
+    zero = starvation_finding(0.3, 0.9, None, {"num_workers": 0, "pin_memory": False,
+                                              "persistent_workers": False}, cpus=2)
+    assert zero.fixes[0].startswith("num_workers=0 makes each batch on the training thread")
     off = starvation_finding(30.0, 40.0, 8.0, {"num_workers": 0, "pin_memory": False,
                                                "persistent_workers": False}, cuda=True, cpus=32)
     assert any(x.startswith("pin_memory=True") for x in off.fixes)
