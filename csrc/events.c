@@ -142,8 +142,11 @@ int sl_pair_record(sl_state *st, EventPair *self, int which)
     sl_leave_device(st, prev);
     if (rc)
         return -1;
-    if (which == 0)
+    if (which == 0) {
+        /* A pair started again is a new measurement: forget the last reading. */
         self->started_on = stream;
+        self->cpu_ms = self->ms = NAN;
+    }
     self->state = which ? 2 : 1;
     return 0;
 }

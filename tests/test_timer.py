@@ -570,3 +570,25 @@ def test_cuda_magics_report_gpu_time(shell, capsys):
     stats = run(shell, "%gputimeit -n 10 -w 2 -o torch.cuda._sleep(cycles)")
     assert stats.count == 10 and within(stats.median, 10, "cuda")
     assert "CUDA events on cuda:" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.cuda
+def test_cuda_pair_started_again_forgets_its_last_reading():
+    # The doctor's monitor reuses its pairs: a second start() is a new measurement.
+    from syncless._torch import _C
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    pair = _C.EventPair(torch.cuda.current_device())
+    per_ms = spin_cycles_per_ms()
+    readings = []
+    for ms in (2, 20):
+        pair.start()
+        torch.cuda._sleep(int(ms * per_ms))
+        pair.stop()
+        readings.append(pair.elapsed())
+        assert pair.poll() == readings[-1]
+    pair.start()
+    assert pair.poll() is None                # started, not ended: no stale reading
+    pair.stop()
+    assert within(readings[0], 2, "cuda") and within(readings[1], 20, "cuda")
+    assert pair.elapsed() < readings[1] / 2

@@ -221,12 +221,6 @@ class StepMonitor:
             self._device = torch.cuda.current_device()
             self._gpu = 1
 
-    def _fresh(self):
-        # A pair once read keeps returning that first reading (EventPair caches it, and a new
-        # start() does not clear it), so a read pair is never reused: a new one takes its place
-        # in the pool (its events come from the extension's own event pool: cheap).
-        return self._EventPair(self._device)
-
     def _poll(self) -> None:
         pending = self._pending
         while pending:
@@ -237,7 +231,7 @@ class StepMonitor:
             pending.popleft()
             self.gpu_ms[step] = ms
             self._latest_gpu = (step, ms)
-            self._free.append(self._fresh())
+            self._free.append(pair)        # start() clears its reading: reused as is
 
     def _log(self, step: int, data: float, cpu: float) -> None:
         values = {"data_wait_ms": data * 1e3, "cpu_ms": cpu * 1e3, "step_ms": (data + cpu) * 1e3}
@@ -274,7 +268,7 @@ class StepMonitor:
         while self._pending:
             step, pair = self._pending.popleft()
             self.gpu_ms[step] = pair.elapsed()
-            self._free.append(self._fresh())
+            self._free.append(pair)        # start() clears its reading: reused as is
 
     def close(self) -> None:
         self.drain()
