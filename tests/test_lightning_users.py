@@ -794,6 +794,7 @@ class IterModel(Base):
 
     def training_step(self, dataloader_iter):
         (x, y), _batch_idx, _dataloader_idx = next(dataloader_iter)
+        x, y = x.to(self.device), y.to(self.device)    # this hook's batches are not moved
         loss = F.binary_cross_entropy_with_logits(self.net(x), y)
         self.log("loss", loss, prog_bar=True, batch_size=len(x), on_step=True, on_epoch=True)
         return loss

@@ -260,6 +260,7 @@ def launch_cost_us() -> float:
 
 
 GRAPH_GAP_US = 0.5
+GPU_BOUND = 0.9      # GPU work at least this share of the step: the verdict is GPU-bound
 SATURATED = 0.02     # the trace's GPU waits for launches under 2% of the step: GPU-bound
 
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -586,7 +587,7 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
         d.headroom = (f"the step takes {step:.2f} ms and its GPU work {G:.2f} ms: at most "
                       f"{idle:.2f} ms/step ({_share(idle, step)}) can be won back without making "
                       "the GPU's work itself faster")
-        if G >= 0.9 * step:
+        if G >= GPU_BOUND * step:
             d.verdict_kind = "GPU-bound"
             d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; speedups now come "
                          "from the model's own GPU work")
