@@ -589,8 +589,11 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
                       "the GPU's work itself faster")
         if G >= GPU_BOUND * step:
             d.verdict_kind = "GPU-bound"
-            d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; speedups now come "
-                         "from the model's own GPU work")
+            d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; " + (
+                f"of the other {_share(idle, step)}, the first finding below wins back "
+                f"{min(idle, top.cost_ms):.2f} ms; beyond that, speedups come from the model's "
+                "own GPU work" if top is not None and top.cost_ms > 0 else
+                "speedups now come from the model's own GPU work"))
             d.speedups = speedups
         elif top is not None and top.kind == "starvation":
             d.verdict_kind = "data-bound"
