@@ -1,6 +1,9 @@
 """Shared test setup: the device parametrisation, the `cuda` marker, and a guard that fails any
-test leaving global state behind (sync-debug mode, a live logger)."""
+test leaving global state behind (sync-debug mode, a live logger) or puts back what a library
+changed (the SIGINT handler)."""
 import gc
+import signal
+import warnings
 
 import pytest
 import torch
@@ -26,8 +29,15 @@ def device(request):
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_state():
+def no_leftover_state(request):
+    sigint = signal.getsignal(signal.SIGINT)
     yield
+    if signal.getsignal(signal.SIGINT) is not sigint:
+        # A library may change it for good (Lightning sets SIG_IGN once a fit catches a
+        # KeyboardInterrupt): a later Ctrl-C test would then wait for nothing. Put it back, and
+        # say which test did.
+        signal.signal(signal.SIGINT, sigint)
+        warnings.warn(f"{request.node.nodeid} left the SIGINT handler changed (restored)")
     if HAS_CUDA:
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)

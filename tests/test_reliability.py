@@ -106,25 +106,35 @@ def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
 
     class Slow:
         def write(self, rows):
-            gate.wait(10)
+            gate.wait(60)
             got.write(rows)
 
     log = syncless.Logger(every=2, windows=1, sinks=[Slow()])
     main = threading.get_ident()
-    # The first window blocks in the sink; the second flush waits for a free window, and a
-    # SIGINT arrives during that wait.
-    threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+
+    def interrupt_once_waiting():
+        # The first window blocks in the sink; the second flush (step 3) waits for a free
+        # window. The SIGINT is sent once that wait has begun, however slow the host is.
+        deadline = time.monotonic() + 60
+        while log._pool.waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_waiting, daemon=True).start()
     interrupted_at = None
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)   # Python's Ctrl-C
     try:
         for i in range(8):
             interrupted_at = i
             log(x=value(i, device))
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGINT, handler)
     gate.set()
     accepted = log.stats.steps
     log.close()
-    assert interrupted_at < 7                   # the interrupt did land inside the loop
+    assert interrupted_at == 3                  # the interrupt landed in the wait of step 3
     assert [s for s, _ in got.rows] == list(range(accepted))
     assert [v["x"] for _, v in got.rows] == [float(i) for i in range(accepted)]
     assert log.stats.delivered == accepted and log.stats.lost == 0
