@@ -3,7 +3,8 @@
 One object per Logger, one thread it owns. The training thread hands it work through a queue
 (`window`: a pinned copy of the device ring to decode; `rows`: host rows; `attach`: a value that
 becomes known later; `marker`: "tell me when you got here") and shares nothing else with it but
-the window pool, whose lock is the only one both sides take. On its own thread the stage:
+the window pool (its lock, and the lock the training thread waits on for a window). On its own
+thread the stage:
 
     decodes a window (waiting, GIL released, for its copy event)
     counts NaN/Inf per metric
@@ -65,31 +66,47 @@ class Row(_RowFields):
 
 
 class Pool:
-    """Pinned windows and their backpressure, shared by the two threads under one condition."""
+    """Pinned windows and their backpressure. The training thread counts the windows it handed
+    over (`taken`, after the hand-over), the delivery thread those it is done with (`given`), each
+    only its own, so an interrupt (Ctrl-C) landing anywhere in the training thread's code can at
+    worst let one window too many out, never hold one back (a count lost that way would make a
+    later flush wait forever). The training thread waits on a plain lock: interrupted, its
+    acquire raises and changes nothing, where threading.Condition.wait can be interrupted
+    between releasing its lock and taking it back."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()         # guards `free`, which both threads change
         self.free: list = []
-        self.outstanding = 0
+        self.taken = 0
+        self.given = 0
         self.waits = 0
+        self._wake = threading.Lock()        # unlocked: a window came back since the last wait
+        self._wake.acquire()
 
-    def take(self) -> Any | None:
-        """A free window, or None when a new one may be made. Waits (and counts it) while
-        `limit` windows are undelivered: backpressure, never loss."""
-        with self.cond:
-            while not self.free and self.outstanding >= self.limit:
+    def wait(self) -> None:
+        """Training thread: wait (and count it) while `limit` windows are undelivered:
+        backpressure, never loss. Nothing changes before it returns."""
+        counted = False
+        while self.taken - self.given >= self.limit:
+            if not counted:
                 self.waits += 1
-                self.cond.wait()
-            self.outstanding += 1
+                counted = True
+            self._wake.acquire()
+
+    def reuse(self) -> Any | None:
+        """Training thread: a window the delivery thread is done with, or None."""
+        with self.lock:
             return self.free.pop() if self.free else None
 
     def give(self, window: Any | None, keep: bool) -> None:
-        with self.cond:
+        """Delivery thread: a handed-over window (or batch of host rows) is done."""
+        with self.lock:
             if keep and window is not None:
                 self.free.append(window)
-            self.outstanding -= 1
-            self.cond.notify()
+        self.given += 1
+        if self._wake.locked():               # only this thread releases it: no race
+            self._wake.release()
 
 
 class _Late:
@@ -145,9 +162,11 @@ class Delivery:
         if self._thread is None:
             return
         self.refuse_on_thread("flush() or close()")
-        done = threading.Event()
+        # A plain lock, released by the delivery thread: an interrupted wait changes nothing.
+        done = threading.Lock()
+        done.acquire()
         self._jobs.put(("marker", done, upto))
-        done.wait()
+        done.acquire()
         self.call_sinks("flush")
 
     def stop(self) -> None:
@@ -194,7 +213,7 @@ class Delivery:
                 return
             if kind == "marker":
                 self._emit([], upto=job[2])
-                job[1].set()
+                job[1].release()
                 continue
             if kind == "late":
                 self._late.append(job[1])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
@@ -42,6 +43,40 @@ _captured_rings: list = []
 _get_ident = threading.get_ident
 _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first call / threads=True
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
+
+# ---- a hand-over no signal handler can cut in two ------------------------------------------------
+# Python runs signal handlers (Ctrl-C's KeyboardInterrupt) on the main thread between bytecodes, so
+# an exception can land between handing rows to the delivery thread and recording that it was
+# done: rows delivered twice, or a window never counted back (the next flush then waits
+# forever). A flush hands over with the signals that have Python handlers deferred: the OS holds
+# them for the few microseconds it takes, and they run as the hand-over ends. The waits before
+# it (for a free window) stay interruptible. Three pthread_sigmask calls per flush, on the main
+# thread only; where there is no pthread_sigmask (Windows) the hand-over is not protected.
+_FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
+                                          "SIGTRAP", "SIGSYS", "SIGKILL", "SIGSTOP")
+           if hasattr(signal, n)}
+_DEFERRED = (frozenset(signal.valid_signals()) - _FAULTS
+             if hasattr(signal, "pthread_sigmask") else frozenset())
+_MAIN_THREAD = threading.main_thread().ident
+
+
+def _signal_mask() -> Any:
+    """The thread's signal mask before a hand-over, or None where nothing is deferred. Called
+    outside the hand-over's try: a handler already due runs here, before anything changed."""
+    if not _DEFERRED or threading.get_ident() != _MAIN_THREAD:
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
+def _defer_signals(mask: Any) -> None:
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+
+
+def _restore_signals(mask: Any) -> None:
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
 
 
 class LoggerStats(NamedTuple):
@@ -300,11 +335,14 @@ class Logger:
                     self._flush_window()
             return
         self._add_columns(metrics)
-        self._host_rows.append(Row(step, time.time(), values))
+        row = Row(step, time.time(), values)
+        # The counters first, the row last: an interrupt between them leaves a step without a
+        # row (the call raised), never a row whose step the next call takes again.
         self._calls += 1
         self._next_step = step + 1
         self._last_step = step
         self._since_flush += 1
+        self._host_rows.append(row)
         if self._since_flush >= self.every:
             self._hand_over_host_rows()
 
@@ -376,7 +414,7 @@ class Logger:
             gen.current = False                      # its windows are too small: let them go
             self._gen = _Generation(self._device, self.capacity, columns, self._next_step)
             self._ring = self._gen.ring
-            with self._pool.cond:
+            with self._pool.lock:
                 self._pool.free = []
 
     def _flush_window(self) -> None:
@@ -395,9 +433,12 @@ class Logger:
                 self._flush_due = True               # no copies inside a capture: next call
                 return
             # An interrupt while waiting for a window leaves every row in the ring for the
-            # next flush; one after the window was taken gives the window back.
-            w = self._pool.take()
+            # next flush; the hand-over itself runs with signals deferred (see _deferred).
+            self._pool.wait()
+            mask = _signal_mask()
             try:
+                _defer_signals(mask)
+                w = self._pool.reuse()
                 if w is None:
                     w = _Window(self._device, gen.nbytes)
                 if self._reducer is not None:    # enqueued before the copy, same stream
@@ -407,9 +448,9 @@ class Logger:
                 self._since_flush = 0
                 self._windows += 1
                 self._delivery.submit_window(gen, w, time.time())
-            except BaseException:
-                self._pool.give(w, keep=False)
-                raise
+                self._pool.taken += 1
+            finally:
+                _restore_signals(mask)
 
     def _hand_over_host_rows(self) -> None:
         if not self._host_rows:
@@ -417,15 +458,17 @@ class Logger:
         rows = self._host_rows
         if self._reducer is not None:
             rows = self._reducer.reduce_rows(rows, self._names)
-        self._pool.take()                    # may wait; an interrupt here loses nothing
+        self._pool.wait()                    # may wait; an interrupt here loses nothing
+        mask = _signal_mask()
         try:
+            _defer_signals(mask)
             self._delivery.submit_rows(rows)
-        except BaseException:
-            self._pool.give(None, keep=False)
-            raise
-        self._host_rows = []
-        self._since_flush = 0
-        self._windows += 1
+            self._pool.taken += 1
+            self._host_rows = []
+            self._since_flush = 0
+            self._windows += 1
+        finally:
+            _restore_signals(mask)
 
     # ---- draining ----------------------------------------------------------------------------
 
