@@ -51,31 +51,37 @@ _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 # forever). A flush hands over with the signals that have Python handlers deferred: the OS holds
 # them for the few microseconds it takes, and they run as the hand-over ends. The waits before
 # it (for a free window) stay interruptible. Three pthread_sigmask calls per flush, on the main
-# thread only; where there is no pthread_sigmask (Windows) the hand-over is not protected.
-_FAULTS = {getattr(signal, n) for n in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
-                                          "SIGTRAP", "SIGSYS", "SIGKILL", "SIGSTOP")
-           if hasattr(signal, n)}
-_DEFERRED = (frozenset(signal.valid_signals()) - _FAULTS
-             if hasattr(signal, "pthread_sigmask") else frozenset())
+# thread only (Python runs handlers nowhere else); where there is no pthread_sigmask (Windows)
+# the hand-over is not protected.
+# The signals a Python handler can be installed for and arrive asynchronously; only those that
+# have one at the moment are deferred (usually just SIGINT): a short mask keeps the calls cheap
+# (Python turns every mask it returns into a set of Signals members, ~4 us each).
+_ASYNC = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM",
+                                            "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
+                                            "SIGCHLD", "SIGWINCH", "SIGPIPE", "SIGXCPU")
+               if hasattr(signal, n)) if hasattr(signal, "pthread_sigmask") else ()
 _MAIN_THREAD = threading.main_thread().ident
 
 
 def _signal_mask() -> Any:
     """The thread's signal mask before a hand-over, or None where nothing is deferred. Called
     outside the hand-over's try: a handler already due runs here, before anything changed."""
-    if not _DEFERRED or threading.get_ident() != _MAIN_THREAD:
+    if not _ASYNC or threading.get_ident() != _MAIN_THREAD:
         return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    handled = [s for s in _ASYNC if callable(signal.getsignal(s))]
+    if not handled:
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, ()), handled
 
 
 def _defer_signals(mask: Any) -> None:
     if mask is not None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+        signal.pthread_sigmask(signal.SIG_BLOCK, mask[1])
 
 
 def _restore_signals(mask: Any) -> None:
     if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask[0])
 
 
 
