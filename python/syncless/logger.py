@@ -52,9 +52,8 @@ _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 # them for the few microseconds it takes, and they run as the hand-over ends. The waits before
 # it (for a free window) stay interruptible. Three pthread_sigmask calls per flush, on the main
 # thread only (Python runs handlers nowhere else); where there is no pthread_sigmask (Windows)
-# the hand-over is not protected.
-# The signals a Python handler can be installed for and arrive asynchronously; only those that
-# have one at the moment are deferred (usually just SIGINT): a short mask keeps the calls cheap
+# the hand-over is not protected. Of the asynchronous signals below, only those with a Python
+# handler at that moment are deferred (usually just SIGINT): a short mask keeps the calls cheap
 # (Python turns every mask it returns into a set of Signals members, ~4 us each).
 _ASYNC = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM",
                                             "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
@@ -439,7 +438,7 @@ class Logger:
                 self._flush_due = True               # no copies inside a capture: next call
                 return
             # An interrupt while waiting for a window leaves every row in the ring for the
-            # next flush; the hand-over itself runs with signals deferred (see _deferred).
+            # next flush; the hand-over itself runs with signals deferred (_signal_mask).
             self._pool.wait()
             mask = _signal_mask()
             try:
