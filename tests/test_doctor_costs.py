@@ -171,6 +171,18 @@ def test_syncs_share_what_removing_them_wins_by_their_blocked_time():
     assert d.finding("starvation") in d.minor
 
 
+def trainer_syncs(nan_ns: int, copy_ns: int, mask_ns: int):
+    """The HF Trainer's five syncs a step (ns blocked per call under the audit): the NaN filter's
+    two, the blocking batch copy's two, transformers' mask check's one; 441 kernels a step."""
+    nan = item_site()._replace(code="torch.isnan(loss) or torch.isinf(loss)")
+    copy = nan._replace(line=nan.line + 1, code="batch = batch.to(device)")
+    mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
+    a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, nan_ns, 2),
+                     (copy, "cudaStreamSynchronize", SYNC, copy_ns, 2),
+                     (mask, "cudaStreamSynchronize", SYNC, mask_ns, 1)], kernels_per_step=441)
+    return nan, copy, mask, a
+
+
 def test_with_the_host_well_ahead_each_sync_of_the_step_wins_its_share_of_the_gpu_idle():
     # hf_trainer on the H200, 48 sequences: 54.60 ms steps with 48.71 ms of kernels; the host's
     # own work 18.73 ms. Five syncs a step: the NaN filter's two block 30 ms (the first to find
@@ -178,12 +190,7 @@ def test_with_the_host_well_ahead_each_sync_of_the_step_wins_its_share_of_the_gp
     # saw 3.90 ms of GPU idle right after them, but the twin without the filter and the blocking
     # copy (4 of the 5) measured 49.29 ms: a gain of 5.31 ms, where the blocked-share rule had
     # promised 3.89 for the filter and 0.008 for the copy.
-    nan = item_site()._replace(code="torch.isnan(loss) or torch.isinf(loss)")
-    copy = nan._replace(line=nan.line + 1, code="batch = batch.to(device)")
-    mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
-    a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, 15_000_000, 2),
-                     (copy, "cudaStreamSynchronize", SYNC, 11_000, 2),
-                     (mask, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=441)
+    nan, copy, mask, a = trainer_syncs(15_000_000, 11_000, 9_000)
     trace = KernelTime(48.71, 1.142, 5.0, 31.37, 3.903, queued_gap_ms=0.0095,
                        launch_wait_ms=5.32, queued_ops=0.919)
     d = assess(summary(54.60, 0.62, 53.91), a, 5, 54.60, True, 54.55, None, 0,
@@ -204,12 +211,7 @@ def test_a_step_on_the_gpu_bound_line_says_what_its_findings_still_win():
     # host's own work 13.79 ms, the same five syncs. GPU-bound by the 90% line, yet removing 4
     # of the 5 syncs won 3.33 ms (the twin: 49.11 ms): the verdict must not say that only the
     # model's own GPU work is left.
-    nan = item_site()._replace(code="torch.isnan(loss) or torch.isinf(loss)")
-    copy = nan._replace(line=nan.line + 1, code="batch = batch.to(device)")
-    mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
-    a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, 17_800_000, 2),
-                     (copy, "cudaStreamSynchronize", SYNC, 9_000, 2),
-                     (mask, "cudaStreamSynchronize", SYNC, 7_000, 1)], kernels_per_step=441)
+    nan, copy, mask, a = trainer_syncs(17_800_000, 9_000, 7_000)
     trace = KernelTime(48.56, 0.888, 5.0, 37.48, 2.956, queued_gap_ms=0.008,
                        launch_wait_ms=4.08, queued_ops=0.924)
     d = assess(summary(52.44, 0.42, 51.99), a, 5, 52.44, True, 52.42, None, 0,
