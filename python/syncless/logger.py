@@ -83,7 +83,6 @@ def _restore_signals(mask: Any) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask[0])
 
 
-
 class LoggerStats(NamedTuple):
     steps: int                       # log() calls accepted
     delivered: int                   # rows of those calls handed to the sinks
