@@ -29,6 +29,7 @@ typedef struct {
     CUstream last_stream;
     CUevent order; /* orders the ring across a change of the current stream */
     int launched;
+    uint64_t wrote; /* 1 + the tag of the last call whose row was launched (0: none yet) */
 } Ring;
 
 typedef struct {
@@ -84,6 +85,7 @@ static PyObject *Ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     self->row_words = row_words(columns);
     self->last_stream = NULL;
     self->launched = 0;
+    self->wrote = 0;
     if (sl_gather_functions(st, device, self->fn) || sl_event_take(st, device, &self->order)) {
         Py_DECREF(self);
         self = NULL;
@@ -165,7 +167,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     launch_args a;
     PyObject *keep[SL_MAX_CELLS];
     a.n = 0;
-    a.tag = PyLong_AsUnsignedLongLong(args[2]);
+    uint64_t tag = a.tag = PyLong_AsUnsignedLongLong(args[2]);
     a.step = PyLong_AsLongLong(args[3]);
     a.time = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
@@ -216,6 +218,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
                                         NULL),
                  "cuLaunchKernel (gather)"))
         goto done;
+    self->wrote = tag + 1;
     if (!capturing) {
         self->last_stream = stream;
         self->launched = 1;
@@ -324,6 +327,18 @@ static PyObject *Ring_copy_to(Ring *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* wrote(tag): did the gather of call `tag` launch its row? The Logger counts a call before its
+ * gather, and asks this only when the gather raised: an exception raised before the launch (a
+ * new metric, a bad value) takes the call back; one raised after it (a signal handler's, run
+ * as the C call returns) leaves the row counted. */
+static PyObject *Ring_wrote(Ring *self, PyObject *arg)
+{
+    unsigned long long tag = PyLong_AsUnsignedLongLong(arg);
+    if (tag == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(self->wrote == (uint64_t)tag + 1);
+}
+
 static PyObject *Ring_get_columns(Ring *self, void *closure)
 {
     (void)closure;
@@ -344,6 +359,8 @@ static PyMethodDef Ring_methods[] = {
      "next_step."},
     {"capturing", (PyCFunction)Ring_capturing, METH_NOARGS,
      "Whether the current stream is capturing a CUDA graph."},
+    {"wrote", (PyCFunction)Ring_wrote, METH_O,
+     "wrote(tag) -> bool: whether the last gather that launched a row had this tag."},
     {"copy_to", (PyCFunction)Ring_copy_to, METH_O,
      "Enqueue one async copy of the whole ring into a Window, then its event."},
     {NULL, NULL, 0, NULL},

@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -234,28 +235,53 @@ class Logger:
         if _get_ident() != self._owner:          # ~0.1 us; a lock would cost several times more
             self._log_from_elsewhere(metrics, step)
             return
+        calls, nxt, last = self._calls, self._next_step, self._last_step
         if step is None:
-            step, given = self._next_step, -1     # -1: the ring's next step, counted on the GPU
+            step, given = nxt, -1                # -1: the ring's next step, counted on the GPU
         else:
             step = given = self._take_step(step)
         ring = self._ring
         if ring is None:
             self._log_host(metrics, step)
             return
+        now = time.time()
+        # Counted before the launch: a signal that arrived during the C call is handled as it
+        # returns, and the exception its handler raises must find the row counted (else the
+        # host would trail the ring by a step). A gather that raised before it launched (a new
+        # metric, a bad value) takes the call back in _gather_failed.
+        self._calls, self._next_step, self._last_step = calls + 1, step + 1, step
         try:
-            captured = ring.gather(metrics, self._columns, self._calls, given, time.time())
-        except KeyError:
-            self._add_columns(metrics)
-            captured = self._ring.gather(metrics, self._columns, self._calls, given, time.time())
-        self._calls += 1
-        self._next_step = step + 1
-        self._last_step = step
+            captured = ring.gather(metrics, self._columns, calls, given, now)
+        except BaseException:
+            captured = self._gather_failed(ring, metrics, (calls, nxt, last), given, now, step)
         if captured:
             self._gen.captured = True
             return                                   # nothing else may happen under capture
         self._since_flush += 1
         if self._since_flush >= self.every or self._flush_due:
             self._flush_window()
+
+    def _gather_failed(self, ring: Any, metrics: dict, before: tuple, given: int, now: float,
+                       step: int) -> bool:
+        """The gather of a call counted in advance raised (called from its except clause)."""
+        if ring.wrote(before[0]):
+            raise                            # after the launch (an interrupt): the row stands
+        self._calls, self._next_step, self._last_step = before
+        if not isinstance(sys.exc_info()[1], KeyError):
+            raise
+        self._add_columns(metrics)           # a new metric: its column, maybe a wider ring
+        return self._launch(metrics, step, given, now)
+
+    def _launch(self, metrics: dict, step: int, given: int, now: float) -> bool:
+        """The hot path's counting and gather on the current ring, for its slow paths."""
+        ring, before = self._ring, (self._calls, self._next_step, self._last_step)
+        self._calls, self._next_step, self._last_step = before[0] + 1, step + 1, step
+        try:
+            return ring.gather(metrics, self._columns, before[0], given, now)
+        except BaseException:
+            if not ring.wrote(before[0]):
+                self._calls, self._next_step, self._last_step = before
+            raise
 
     def _log_from_elsewhere(self, metrics: dict, step: int | None) -> None:
         """The first call (which makes its thread the owner), a call from another thread, or
@@ -329,11 +355,7 @@ class Logger:
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
             self._add_columns(metrics)
-            captured = self._ring.gather(metrics, self._columns, self._calls, step, time.time())
-            self._calls += 1
-            self._next_step = step + 1
-            self._last_step = step
-            if not captured:
+            if not self._launch(metrics, step, step, time.time()):
                 self._since_flush += 1
                 if self._since_flush >= self.every:
                     self._flush_window()
