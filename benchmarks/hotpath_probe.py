@@ -56,6 +56,47 @@ def main() -> None:
         except Exception as exc:                     # private API: it moves between builds
             print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
     log.close()
+    try:
+        delivery_rows()
+    except Exception as exc:
+        print(f"delivery rows unavailable ({type(exc).__name__}: {exc})")
+
+
+def delivery_rows(rows: int = 100) -> None:
+    """The delivery thread's work per row of a 4-metric flush (run here, on this thread):
+    decoding a window into Row objects, into plain tuples, and the hand-over to one sink."""
+    from syncless._delivery import Row
+    from syncless.logger import _Window
+
+    class Keep:                                      # compile_step's sink: steps only
+        def write(self, batch):
+            self.steps = [r.step for r in batch]
+
+    log = syncless.Logger(every=10 * rows, capacity=2 * rows, device="cuda", sinks=[Keep()])
+    m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
+    for _ in range(rows):
+        log.log(m4)
+    w = _Window(log._device, log._gen.nbytes)
+    log._ring.copy_to(w.win)
+    w.win.wait()
+    names = log._names
+    decoded = w.win.decode(0, names, {}, Row, 0.0)[1]
+    delivery = log._delivery
+    pieces = [
+        ("Window.decode -> Row", lambda: w.win.decode(0, names, {}, Row, 0.0)),
+        ("Window.decode -> Row, latest", lambda: w.win.decode(0, names, {}, Row, 0.0, {})),
+        ("Window.decode -> plain tuples", lambda: w.win.decode(0, names, {})),
+        ("Delivery._emit (latest, counts, one sink)", lambda: delivery._emit(decoded, None)),
+        ("Delivery._emit, latest done in decode", lambda: delivery._emit(decoded, None, True)),
+    ]
+    for name, fn in pieces:
+        name = f"{name}, per row of {rows}"
+        try:
+            us = statistics.median(block_us(fn, 20, lambda: None) for _ in range(52))
+            print(f"{name:42s} {us / rows:7.3f} µs")
+        except Exception as exc:                     # an older build lacks the argument
+            print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
+    log.close()
 
 
 if __name__ == "__main__":

@@ -453,29 +453,56 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0) -> (counter, rows)
+/* A row_type instance (step, time, values); steals `values`, even on failure. */
+static PyObject *made_row(allocfunc alloc, PyTypeObject *type, int64_t step, double time,
+                          PyObject *values)
+{
+    PyObject *s = PyLong_FromLongLong(step), *t = PyFloat_FromDouble(time);
+    PyObject *item = s && t ? alloc(type, 3) : NULL;
+    if (item == NULL) {
+        Py_XDECREF(item);
+        Py_XDECREF(s);
+        Py_XDECREF(t);
+        Py_DECREF(values);
+        return NULL;
+    }
+    /* A fresh tuple (of a subclass): PyTuple_SetItem fills it and takes each reference. */
+    PyTuple_SetItem(item, 0, s);
+    PyTuple_SetItem(item, 1, t);
+    PyTuple_SetItem(item, 2, values);
+    return item;
+}
+
+/* decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None)
+ *   -> (counter, rows)
  * rows: [(seq, tag, step, time, gpu_ns, {name: value})] for seq in [from_seq, counter) still in
  * the ring; or, given a row_type (a tuple subclass of (step, time, values): syncless.Row), rows
  * of that type made here, a row written by a graph replay taking replay_time as its time: the
  * delivery thread's Python work per row, under the GIL the training thread needs, is then none.
- * names[column] is the metric name; nonfinite[name] counts NaN/Inf values. */
+ * names[column] is the metric name; nonfinite[name] counts NaN/Inf values; latest, a dict,
+ * ends up holding each metric's last value in these rows. */
 static PyObject *Window_decode(Window *self, PyObject *args)
 {
     unsigned long long from_seq;
-    PyObject *names, *nonfinite, *row_type = Py_None, *tuple_new = NULL;
+    PyObject *names, *nonfinite, *row_type = Py_None, *latest = Py_None;
+    allocfunc alloc = NULL;
     double replay_time = 0.0;
-    if (!PyArg_ParseTuple(args, "KO!O!|Od", &from_seq, &PyList_Type, &names, &PyDict_Type,
-                          &nonfinite, &row_type, &replay_time))
+    if (!PyArg_ParseTuple(args, "KO!O!|OdO", &from_seq, &PyList_Type, &names, &PyDict_Type,
+                          &nonfinite, &row_type, &replay_time, &latest))
         return NULL;
+    if (latest != Py_None && !PyDict_Check(latest)) {
+        PyErr_SetString(PyExc_TypeError, "decode(): latest must be a dict or None");
+        return NULL;
+    }
     if (row_type != Py_None) {
         if (!PyType_Check(row_type) || !PyType_IsSubtype((PyTypeObject *)row_type, &PyTuple_Type)) {
             PyErr_SetString(PyExc_TypeError, "decode(): row_type must be a tuple subclass");
             return NULL;
         }
-        /* tuple.__new__(row_type, (step, time, values)): what a NamedTuple's own __new__ does
-         * after its Python-level argument handling. */
-        if ((tuple_new = PyObject_GetAttrString((PyObject *)&PyTuple_Type, "__new__")) == NULL)
-            return NULL;
+        /* A row is made as tuple.__new__(row_type, (step, time, values)) makes it, after a
+         * NamedTuple's own Python-level argument handling: the type's allocator, then the
+         * three items (what a Python call of either would cost each row is saved). */
+        alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)row_type, Py_tp_alloc);
     }
     self->pending = 0;
     uint64_t counter;
@@ -484,10 +511,8 @@ static PyObject *Window_decode(Window *self, PyObject *args)
     if (counter > self->capacity && first < counter - self->capacity)
         first = counter - self->capacity;
     PyObject *rows = PyList_New(0);
-    if (rows == NULL) {
-        Py_XDECREF(tuple_new);
+    if (rows == NULL)
         return NULL;
-    }
     Py_ssize_t nnames = PyList_Size(names);
     for (uint64_t seq = first; seq < counter; seq++) {
         const uint64_t *row = (const uint64_t *)(self->host + SL_HEADER_BYTES) +
@@ -510,7 +535,8 @@ static PyObject *Window_decode(Window *self, PyObject *args)
             }
             PyObject *name = PyList_GetItem(names, c); /* borrowed */
             PyObject *v = PyFloat_FromDouble(values[c]);
-            if (v == NULL || PyDict_SetItem(d, name, v)) {
+            if (v == NULL || PyDict_SetItem(d, name, v) ||
+                (latest != Py_None && PyDict_SetItem(latest, name, v))) {
                 Py_XDECREF(v);
                 Py_DECREF(d);
                 goto error;
@@ -531,12 +557,9 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         double time;
         memcpy(&time, &row[SL_ROW_TIME], 8);
         PyObject *item;
-        if (tuple_new != NULL) {
-            PyObject *fields =
-                Py_BuildValue("(LdN)", (long long)(int64_t)row[SL_ROW_STEP],
-                              row[SL_ROW_TAG] & SL_CAPTURED_TAG ? replay_time : time, d);
-            item = fields ? PyObject_CallFunctionObjArgs(tuple_new, row_type, fields, NULL) : NULL;
-            Py_XDECREF(fields);
+        if (alloc != NULL) {
+            item = made_row(alloc, (PyTypeObject *)row_type, (int64_t)row[SL_ROW_STEP],
+                            row[SL_ROW_TAG] & SL_CAPTURED_TAG ? replay_time : time, d);
         } else {
             item = Py_BuildValue("(KKLdKN)", (unsigned long long)row[SL_ROW_SEQ],
                                  (unsigned long long)row[SL_ROW_TAG],
@@ -549,10 +572,8 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         }
         Py_DECREF(item);
     }
-    Py_XDECREF(tuple_new);
     return Py_BuildValue("(KN)", (unsigned long long)counter, rows);
 error:
-    Py_XDECREF(tuple_new);
     Py_DECREF(rows);
     return NULL;
 }
@@ -560,7 +581,8 @@ error:
 static PyMethodDef Window_methods[] = {
     {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
-     "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0) -> (counter, rows)"},
+     "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None) -> "
+     "(counter, rows)"},
     {NULL, NULL, 0, NULL},
 };
 

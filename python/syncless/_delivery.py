@@ -220,13 +220,14 @@ class Delivery:
                 self._hold = True
                 continue
             try:
+                latest_done = False
                 if kind == "rows":
                     rows = job[1]
                     for row in rows:
                         self._count_nonfinite(row.values)
                 else:
-                    rows = self._decode(*job[1:])
-                self._emit(rows, upto=None)
+                    rows, latest_done = self._decode(*job[1:])
+                self._emit(rows, upto=None, latest_done=latest_done)
             except BaseException as exc:          # the thread must never die silently
                 _log.exception("syncless: delivery failed: %s", exc)
             finally:
@@ -241,16 +242,19 @@ class Delivery:
             if not math.isfinite(v):
                 self.nonfinite[name] = self.nonfinite.get(name, 0) + 1
 
-    def _decode(self, gen: Any, w: Any, flushed_at: float) -> list[Row]:
+    def _decode(self, gen: Any, w: Any, flushed_at: float) -> tuple[list[Row], bool]:
+        """The window's rows, and whether `latest` already holds their values."""
         w.win.wait()
         if not self._gpu_time:
-            # The rows are made in C: no Python work per row, under the GIL the loop needs.
-            # A graph replay's step was computed on the device; the host saw no call, so its
-            # time is that of the flush that found the row.
+            # The rows are made in C, `latest` updated there too (unless rows may be held back
+            # or merged with late values): no Python work per row, under the GIL the training
+            # thread needs. A graph replay's step was computed on the device; the host saw no
+            # call, so its time is that of the flush that found the row.
+            latest = None if self._hold else self.latest
             counter, rows = w.win.decode(gen.next_seq, self._names, self.nonfinite, Row,
-                                         flushed_at)
+                                         flushed_at, latest)
             self._count_lost(gen, counter)
-            return rows
+            return rows, latest is not None
         counter, raw = w.win.decode(gen.next_seq, self._names, self.nonfinite)
         self._count_lost(gen, counter)
         rows = []
@@ -260,7 +264,7 @@ class Delivery:
             row.gpu_ns = item[4]                 # an attribute costs each row a dict: opt-in
             self._gpu_metrics(row, captured=bool(tag & _CAPTURED))
             rows.append(row)
-        return rows
+        return rows, False
 
     def _count_lost(self, gen: Any, counter: int) -> None:
         oldest = max(gen.next_seq, counter - gen.capacity)
@@ -328,8 +332,9 @@ class Delivery:
             rows.sort(key=lambda r: r.step)        # stable: equal steps keep their order
         return rows
 
-    def _emit(self, rows: list[Row], upto: float | None) -> None:
-        """upto None: a batch (hold its newest step back); else a drain up to that step."""
+    def _emit(self, rows: list[Row], upto: float | None, latest_done: bool = False) -> None:
+        """upto None: a batch (hold its newest step back); else a drain up to that step.
+        latest_done: the decode already put these rows' values in `latest` (nothing held)."""
         rows = self._held + rows
         self._held = []
         if rows and upto is None and self._hold:
@@ -341,9 +346,10 @@ class Delivery:
         rows = self._merge_late(rows, upto)
         if not rows:
             return
-        latest = self.latest
-        for row in rows:
-            latest.update(row.values)
+        if not latest_done:
+            latest = self.latest
+            for row in rows:
+                latest.update(row.values)
         self.delivered += sum(1 for row in rows if not row.late) if self._hold else len(rows)
         self.delivered_step = rows[-1].step
         sinks = self.sinks
