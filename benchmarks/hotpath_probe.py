@@ -72,7 +72,7 @@ def delivery_rows(rows: int = 100) -> None:
         def write(self, batch):
             self.steps = [r.step for r in batch]
 
-    log = syncless.Logger(every=10 * rows, capacity=2 * rows, device="cuda", sinks=[Keep()])
+    log = syncless.Logger(every=10 * rows, capacity=10 * rows, device="cuda", sinks=[Keep()])
     m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
     for _ in range(rows):
         log.log(m4)

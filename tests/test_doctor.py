@@ -223,6 +223,22 @@ def test_render_audit_table_ranks_by_blocked_time():
     assert "pin" in report and "syncless.Logger" in report
 
 
+@pytest.mark.parametrize("code, kinds, what, says", [
+    # .item() reads through a pageable cudaMemcpyAsync that waits for a busy queue: seen as an
+    # "async" copy that blocked, still a host read (the H200 saw it so under a loaded GPU)
+    ("history.append(value.item())", {1, 3}, {"cudaMemcpyAsync": 4}, "syncless.Logger"),
+    ("loss_value = float(loss)", {3}, {"cudaMemcpyAsync": 1}, "syncless.Logger"),
+    ("x = batch.to(device, non_blocking=True)", {3}, {"cudaMemcpyAsync": 1}, "pin it"),
+    ("x = batch.to(device)", {3}, {"cudaMemcpyAsync": 1}, "pin it"),
+    ("torch.cuda.synchronize()", {1}, {"cudaDeviceSynchronize": 1}, "remove the explicit"),
+    ("done.synchronize()", {1}, {"cudaEventSynchronize": 1}, "poll event.query()"),
+    ("y = x[x > 0]", {1, 2}, {"cudaMemcpyAsync": 1}, "torch.where"),
+])
+def test_each_sync_line_gets_its_own_fix(code, kinds, what, says):
+    from syncless.doctor.audit import suggest_fix
+    assert says in suggest_fix(code, kinds, what)
+
+
 def run_cli(tmp_path, script_text, *options, args=(), timeout=300):
     """`python -m syncless doctor <options> train.py <args>` on `script_text`, in tmp_path."""
     script = tmp_path / "train.py"

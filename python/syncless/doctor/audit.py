@@ -68,16 +68,22 @@ class SyncSite:
 def suggest_fix(code: str, kinds: set, what: dict) -> str:
     """The concrete change for one sync site, from the CUDA calls seen and the source line."""
     names = " ".join(what)
-    if ASYNC_COPY in kinds or "non_blocking" in code:
-        return ("the host tensor is pageable, so the 'async' copy blocks: pin it "
+    pageable = ("the host tensor is pageable, so the 'async' copy blocks: pin it "
                 "(DataLoader(pin_memory=True) or t.pin_memory() once) and keep non_blocking=True")
+    if "non_blocking" in code:
+        return pageable
+    # .item() and its kin read into pageable host memory with cudaMemcpyAsync, which waits
+    # for the GPU's queue when it is busy: an "async" copy that blocked, but a host read.
+    host_read = re.search(r"\.item\(\)|\.tolist\(\)|float\(|int\(|\.cpu\(\)|\.numpy\(\)", code)
+    if ASYNC_COPY in kinds and not host_read:
+        return pageable
     if re.search(r"cuda\.synchronize\(|DeviceSynchronize|CtxSynchronize", code + names):
         return ("remove the explicit synchronize; time GPU work with syncless.timer() (CUDA "
                 "events) and let stream order do the rest")
     if "EventSynchronize" in names or ".synchronize()" in code:
         return ("don't wait on the event in the loop: poll event.query() or read the timing "
                 "later (syncless.timer() does this without a wait)")
-    if re.search(r"\.item\(\)|\.tolist\(\)|float\(|int\(|\.cpu\(\)|\.numpy\(\)", code):
+    if host_read:
         return ("log the tensor itself with syncless.Logger (one kernel, zero syncs) instead "
                 "of reading it on the host every step")
     if re.search(r"nonzero|masked_select|\[.*(mask|>|<|==).*\]|unique\(", code):
