@@ -63,6 +63,12 @@ FLUSH_EVERY = 100
 DELIVERED_APART = "log(), delivered apart"
 NAMES = ["no log", "metrics returned", "log() inside", DELIVERED_APART, "graph break"]
 LOGGING = ("log() inside", DELIVERED_APART, "graph break")
+POLLED = "log(), polled wait"            # --poll-us: the delivery polls the copy's event
+POLL_US = [0]
+
+
+def variant_names():
+    return NAMES + [POLLED] if POLL_US[0] else NAMES
 SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
                            "graph) and foreach SGD",
                   "infer": "inference step (no_grad): the whole compiled step, one CUDA graph"}
@@ -128,9 +134,22 @@ class Variant:
             self.model.requires_grad_(False)
         self.sink = Rows()
         self.log = None
-        if name in LOGGING:
+        if name in LOGGING or name == POLLED:
             self.log = syncless.Logger(every=FLUSH_EVERY, sinks=self.sink,
                                        capacity=4 * FLUSH_EVERY)
+        if name == POLLED:
+            self.log._delivery.poll_us = POLL_US[0]
+        self.decode_cpu = 0.0                  # delivery thread CPU inside _decode (wait + rows)
+        if self.log is not None:
+            delivery, inner = self.log._delivery, self.log._delivery._decode
+
+            def timed(*job):
+                c0 = time.thread_time()
+                try:
+                    return inner(*job)
+                finally:
+                    self.decode_cpu += time.thread_time() - c0
+            delivery._decode = timed
         self.fn = torch.compile(make_forward(self.model, self.log, name), mode=mode)
         self.params = [p for p in self.model.parameters()]
         self.steps = 0
@@ -158,7 +177,7 @@ class Variant:
             if isinstance(loss, tuple):
                 loss = loss[0]
         self.steps += 1
-        if flush and self.name == "log() inside":
+        if flush and self.name in ("log() inside", POLLED):
             t0 = time.perf_counter()
             self.log.flush(wait=False)                   # enqueues one copy; never waits
             self.flush_s.append(time.perf_counter() - t0)
@@ -243,7 +262,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
     """One interleaved comparison of the variants: a round is one flush period of each, in
     `turns` interleaved turns."""
     from torch._dynamo.utils import counters
-    names = NAMES
+    names = variant_names()
     with torch.set_grad_enabled(train):
         breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
     for name, (b, g) in breaks.items():
@@ -260,8 +279,8 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
     rng = random.Random(0)
     per_step = {name: [] for name in names}
     cpu_step = {name: [] for name in names}
-    delivery = {name: [variants[name].delivery_cpu(), variants[name].sink_rows()]
-                for name in names}
+    delivery = {name: [variants[name].delivery_cpu(), variants[name].sink_rows(),
+                       variants[name].decode_cpu] for name in names}
     for r in range(rounds):
         order = names[:]
         rng.shuffle(order)
@@ -272,13 +291,18 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
         if r == 0 or (r + 1) % 10 == 0:
             print(f"  [{kind}] round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {per_step[n][-1]:.1f} µs" for n in names), flush=True)
+    decode_cpu = {}
     for name in names:
         v = variants[name]
         if v.log is not None:
             v.log.flush()
-        cpu0, rows0 = delivery[name]
+        cpu0, rows0, dec0 = delivery[name]
         rows = v.sink_rows() - rows0
         delivery[name] = (v.delivery_cpu() - cpu0) / rows * 1e6 if rows else None
+        decode_cpu[name] = (v.decode_cpu - dec0) / rows * 1e6 if rows else None
+    print(f"  [{kind}] delivery thread CPU µs per row, all / inside _decode (copy wait and "
+          "rows): " + ", ".join(f"{n} {num(delivery[n])} / {num(decode_cpu[n])}"
+                               for n in names if decode_cpu.get(n) is not None), flush=True)
     trees_after = tree_state(device)
     results = {"cudagraph_trees": {"after_warmup": trees_before, "after_rounds": trees_after}}
     for name in names:
@@ -294,6 +318,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
                              "ratio_to_metrics_ci95": list(ci_metrics) if ci_metrics else None,
                              "cpu_us_per_step": summarize(cpu_step[name]),
                              "delivery_cpu_us_per_row": delivery[name],
+                             "decode_cpu_us_per_row": decode_cpu.get(name),
                              "flush_call_us": summarize([t * 1e6 for t in v.flush_s])
                              if v.flush_s else None,
                              "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
@@ -313,7 +338,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
 
 def section_table(results, cuda):
     rows = []
-    for name in NAMES:
+    for name in variant_names():
         r = results[name]
         c = r.get("rows")
         d = r.get("delivery_cpu_us_per_row")
@@ -448,7 +473,11 @@ def main(argv=None):
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
                    help="directory for compile_step.json/.md (default benchmarks/results); "
                         "rewritten after every section")
+    p.add_argument("--poll-us", type=int, default=0,
+                   help="also a variant whose delivery polls the copy's event every N µs "
+                        "instead of sleeping in cuEventSynchronize (a diagnostic)")
     args = p.parse_args(argv)
+    POLL_US[0] = args.poll_us
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     mode = "reduce-overhead" if cuda else None
