@@ -11,7 +11,7 @@ variants of the compiled forward, each with its own model copy and Logger:
                    outputs, not logged: what the metrics themselves cost
   log() inside     log(loss=, acc=, scale=, lr=) inside the compiled forward: the
                    syncless::log custom op, captured in the CUDA graph (0 graph breaks);
-                   log.flush(wait=False) once per block of FLUSH_EVERY steps, mid-block, since
+                   log.flush(wait=False) once per flush period (100 steps, --flush-every), since
                    replays do not flush: the rows reach the sink while the loop runs
   log(), delivered apart
                    the same op, but the block's rows are flushed and delivered after its clock
@@ -19,15 +19,16 @@ variants of the compiled forward, each with its own model copy and Logger:
                    delivery. A diagnostic, not a way to use the logger
   graph break      the same log() wrapped in torch.compiler.disable: what a graph break
                    amounts to (the graph splits around an eager log() call, as before the op)
-Interleaved rounds: each round runs one flush period (FLUSH_EVERY steps) of every variant, cut
+Interleaved rounds: each round runs one flush period (--flush-every steps) of every variant, cut
 into --turns turns (default 4) that the variants take in turn (a shuffled order, reversed every
 other turn), synchronising before and after each turn, with the garbage collector off inside a
 round (collected between them: a collection landing in one variant's steps is noise, not its
 cost). The H200's host switches between two speeds about every second; turns of a quarter
 period put every variant under both alike, where a whole period per variant (--turns 1) let
 one variant's block fall on the fast speed and another's on the slow. Every round of a logging
-variant carries exactly one flush (mid-period) and its delivery. Medians over rounds, and per-round ratios to "no log" and to "metrics returned"
-with the 95% confidence interval of their median. Per variant also the training thread's CPU
+variant carries exactly one flush (mid-period) and its delivery, so --flush-every 1000 shows
+what the delivery costs per flush against per row. Medians over rounds, and per-round ratios to
+"no log" and to "metrics returned" with the 95% confidence interval of their median. Per variant also the training thread's CPU
 time per step and, for the loggers, the delivery thread's CPU time per row (it shares the GIL
 with the training thread). The host log() calls of a variant (Logger.stats.steps) show whether
 the gather was replayed inside the CUDA graph (a few calls: warm-up and recording) or ran on
@@ -60,15 +61,11 @@ from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratio
                                 pct, pct_ci, summarize, write_json)
 
 FLUSH_EVERY = 100
+flush_every = FLUSH_EVERY                # --flush-every: the flush period of this run
 DELIVERED_APART = "log(), delivered apart"
 NAMES = ["no log", "metrics returned", "log() inside", DELIVERED_APART, "graph break"]
 LOGGING = ("log() inside", DELIVERED_APART, "graph break")
-POLLED = "log(), polled wait"            # --poll-us: the delivery polls the copy's event
-POLL_US = [0]
 
-
-def variant_names():
-    return NAMES + [POLLED] if POLL_US[0] else NAMES
 SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
                            "graph) and foreach SGD",
                   "infer": "inference step (no_grad): the whole compiled step, one CUDA graph"}
@@ -134,11 +131,9 @@ class Variant:
             self.model.requires_grad_(False)
         self.sink = Rows()
         self.log = None
-        if name in LOGGING or name == POLLED:
-            self.log = syncless.Logger(every=FLUSH_EVERY, sinks=self.sink,
-                                       capacity=4 * FLUSH_EVERY)
-        if name == POLLED:
-            self.log._delivery.poll_us = POLL_US[0]
+        if name in LOGGING:
+            self.log = syncless.Logger(every=flush_every, sinks=self.sink,
+                                       capacity=4 * flush_every)
         self.decode_cpu = 0.0                  # delivery thread CPU inside _decode (wait + rows)
         if self.log is not None:
             delivery, inner = self.log._delivery, self.log._delivery._decode
@@ -177,7 +172,7 @@ class Variant:
             if isinstance(loss, tuple):
                 loss = loss[0]
         self.steps += 1
-        if flush and self.name in ("log() inside", POLLED):
+        if flush and self.name == "log() inside":
             t0 = time.perf_counter()
             self.log.flush(wait=False)                   # enqueues one copy; never waits
             self.flush_s.append(time.perf_counter() - t0)
@@ -262,7 +257,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
     """One interleaved comparison of the variants: a round is one flush period of each, in
     `turns` interleaved turns."""
     from torch._dynamo.utils import counters
-    names = variant_names()
+    names = NAMES
     with torch.set_grad_enabled(train):
         breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
     for name, (b, g) in breaks.items():
@@ -338,7 +333,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
 
 def section_table(results, cuda):
     rows = []
-    for name in variant_names():
+    for name in NAMES:
         r = results[name]
         c = r.get("rows")
         d = r.get("delivery_cpu_us_per_row")
@@ -473,11 +468,12 @@ def main(argv=None):
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"),
                    help="directory for compile_step.json/.md (default benchmarks/results); "
                         "rewritten after every section")
-    p.add_argument("--poll-us", type=int, default=0,
-                   help="also a variant whose delivery polls the copy's event every N µs "
-                        "instead of sleeping in cuEventSynchronize (a diagnostic)")
+    p.add_argument("--flush-every", type=int, default=FLUSH_EVERY,
+                   help=f"steps per flush period (default {FLUSH_EVERY}): a round's block of "
+                        "each variant, and how often the logging variants flush")
     args = p.parse_args(argv)
-    POLL_US[0] = args.poll_us
+    global flush_every
+    flush_every = args.flush_every
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     mode = "reduce-overhead" if cuda else None
@@ -492,13 +488,14 @@ def main(argv=None):
     argv_used = sys.argv[1:] if argv is None else argv
     env = env_info(device, ["compile_step", *argv_used])
     env["command"] = " ".join(["python", "-m", "benchmarks.compile_step", *argv_used])
-    env.update(mode=mode, flush_every=FLUSH_EVERY, sections_config={
+    env.update(mode=mode, flush_every=flush_every, sections_config={
         k: dict(zip(("title", "train", "width", "depth", "batch", "rounds", "steps"), v))
         for k, v in SECTIONS.items() if k in kinds})
 
     sections, tables, verdict = {}, {}, []
     for kind in kinds:
         _, train, width, depth, batch, rounds, steps = SECTIONS[kind]
+        steps = steps * flush_every // FLUSH_EVERY
         if args.quick:
             width, depth, batch, rounds, steps = min(width, 64), 1, min(batch, 32), 4, 20
         rounds = args.rounds or rounds

@@ -11,7 +11,6 @@
 
 #include <math.h>
 #include <string.h>
-#include <time.h>
 
 typedef struct {
     uint64_t ring, counter, tag;
@@ -430,17 +429,12 @@ static void Window_dealloc(Window *self)
     Py_DECREF(type);
 }
 
-/* Block this (delivery) thread until the copy landed, GIL released so the training thread runs
- * on meanwhile. wait() sleeps in cuEventSynchronize (the event has the blocking-sync flag);
- * wait(poll_us) instead asks cuEventQuery every poll_us microseconds and sleeps in between. */
-static PyObject *Window_wait(Window *self, PyObject *const *args, Py_ssize_t nargs)
+/* Block this (delivery) thread until the copy landed. The event was created with the
+ * blocking-sync flag, so the thread sleeps instead of spinning a core, and the GIL is released
+ * so the training thread runs on meanwhile. */
+static PyObject *Window_wait(Window *self, PyObject *unused)
 {
-    long poll_us = 0;
-    if (nargs > 1 || (nargs == 1 && ((poll_us = PyLong_AsLong(args[0])) < 0 || poll_us > 100000))) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "wait(poll_us=0): poll_us from 0 to 100000");
-        return NULL;
-    }
+    (void)unused;
     if (!self->pending)
         Py_RETURN_NONE;
     sl_state *st = sl_type_state(Py_TYPE(self));
@@ -450,13 +444,7 @@ static PyObject *Window_wait(Window *self, PyObject *const *args, Py_ssize_t nar
         if (sl_enter_device(st, self->device, &prev))
             return NULL;
         Py_BEGIN_ALLOW_THREADS
-        if (poll_us == 0) {
-            rc = st->drv.cuEventSynchronize(self->done);
-        } else {
-            struct timespec nap = {0, poll_us * 1000};
-            while ((rc = st->drv.cuEventQuery(self->done)) == CUDA_ERROR_NOT_READY)
-                nanosleep(&nap, NULL);
-        }
+        rc = st->drv.cuEventSynchronize(self->done);
         Py_END_ALLOW_THREADS
         sl_leave_device(st, prev);
     }
@@ -591,8 +579,7 @@ error:
 }
 
 static PyMethodDef Window_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))Window_wait, METH_FASTCALL,
-     "wait(poll_us=0): sleep until the copy landed (GIL released); poll_us > 0: poll that often."},
+    {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
      "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None) -> "
      "(counter, rows)"},

@@ -125,7 +125,6 @@ class Delivery:
         self._names = names                  # append-only, shared with the training thread
         self._pool = pool
         self._gpu_time = gpu_time
-        self.poll_us = 0                     # 0: sleep in cuEventSynchronize; else poll this often
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ident = -1
@@ -245,7 +244,7 @@ class Delivery:
 
     def _decode(self, gen: Any, w: Any, flushed_at: float) -> tuple[list[Row], bool]:
         """The window's rows, and whether `latest` already holds their values."""
-        w.win.wait(self.poll_us)
+        w.win.wait()
         if not self._gpu_time:
             # The rows are made in C, `latest` updated there too (unless rows may be held back
             # or merged with late values): no Python work per row, under the GIL the training

@@ -423,9 +423,9 @@ class Logger:
                     "capturing (warm-up), or create the logger with device='cuda'.")
             self._hand_over_host_rows()
             columns = max(_COLUMN_BLOCK, -(-len(self._names) // _COLUMN_BLOCK) * _COLUMN_BLOCK)
-            self._gen = _Generation(device, self.capacity, columns, self._next_step)
-            self._ring = self._gen.ring
-        self._device = device
+            gen = _Generation(device, self.capacity, columns, self._next_step)
+            # One statement (no interrupt lands inside it): bound whole, or not at all.
+            self._gen, self._ring, self._device = gen, gen.ring, device
 
     def _grow(self, needed: int) -> None:
         gen = self._gen
@@ -437,9 +437,9 @@ class Logger:
             if self._since_flush:
                 self._flush_window()
             columns = -(-needed // _COLUMN_BLOCK) * _COLUMN_BLOCK * 2
-            gen.current = False                      # its windows are too small: let them go
-            self._gen = _Generation(self._device, self.capacity, columns, self._next_step)
-            self._ring = self._gen.ring
+            wider = _Generation(self._device, self.capacity, columns, self._next_step)
+            # gen's windows are too small now: let them go (current False); one statement.
+            gen.current, self._gen, self._ring = False, wider, wider.ring
             with self._pool.lock:
                 self._pool.free = []
 
