@@ -4,6 +4,7 @@ Each planted bottleneck lives in its own small function with a `# planted` comme
 doctor must name; `planted()` finds that line with inspect, so editing this file cannot silently
 break the expected locations."""
 import inspect
+import io
 import json
 import math
 import os
@@ -233,10 +234,72 @@ def test_render_audit_table_ranks_by_blocked_time():
     ("torch.cuda.synchronize()", {1}, {"cudaDeviceSynchronize": 1}, "remove the explicit"),
     ("done.synchronize()", {1}, {"cudaEventSynchronize": 1}, "poll event.query()"),
     ("y = x[x > 0]", {1, 2}, {"cudaMemcpyAsync": 1}, "torch.where"),
+    # logging calls that read the tensor: the drop-in adapters, or the Logger for print/format
+    ('writer.add_scalar("train/loss", loss, step)', {1, 3}, {"cudaMemcpyAsync": 1},
+     "from syncless.tensorboard import SummaryWriter"),
+    ('writer.add_scalars("loss", {"a": a, "b": b}, step)', {1}, {"cudaMemcpyAsync": 2},
+     "from syncless.tensorboard import SummaryWriter"),
+    ('wandb.log({"loss": loss.item()})', {1, 3}, {"cudaMemcpyAsync": 1},
+     "import syncless.wandb as wandb"),
+    ("print(loss)", {1, 3}, {"cudaMemcpyAsync": 1}, "syncless.sinks.Print()"),
+    ('print(f"step {i}: {loss:.4f}")', {1}, {"cudaMemcpyAsync": 1}, "syncless.sinks.Print()"),
+    ('logger.info("loss %s", loss)', {1}, {"cudaMemcpyAsync": 1}, "syncless.sinks.Print()"),
+    ('print(f"loss {loss.item():.3f}")', {1}, {"cudaMemcpyAsync": 1}, "log the tensor itself"),
+    ("acc = correct.float().mean()", {1}, {"cudaStreamSynchronize": 1}, "move this host read"),
 ])
 def test_each_sync_line_gets_its_own_fix(code, kinds, what, says):
     from syncless.doctor.audit import suggest_fix
     assert says in suggest_fix(code, kinds, what)
+
+
+def _site_of_read(monkeypatch, method, call):
+    """The doctor's Site and framework fix for the host read that `call` makes through
+    torch.Tensor.<method> (the real library code runs; only the read is observed)."""
+    from syncless.doctor._frames import user_site
+    from syncless.doctor._frameworks import framework_fix
+    seen = []
+    original = getattr(torch.Tensor, method)
+
+    def observed(self, *args, **kwargs):
+        if not seen:
+            seen.append(user_site(sys._getframe(1)))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, method, observed)
+    call()
+    monkeypatch.setattr(torch.Tensor, method, original)
+    site = seen[0]
+    return site, framework_fix(site.chain) if site.chain else None
+
+
+def test_wandb_log_of_a_tensor_is_named_with_the_drop_in(monkeypatch, tmp_path):
+    import wandb
+    run = wandb.init(mode="offline", dir=str(tmp_path), settings=wandb.Settings(silent=True))
+    loss = torch.tensor(0.25)
+    try:
+        site, fw = _site_of_read(monkeypatch, "item",
+                                 lambda: wandb.log({"loss": loss}))  # the user's line
+    finally:
+        run.finish()
+    assert site.code.startswith("lambda: wandb.log") and site.chain, site
+    assert any("/wandb/" in f.file.replace("\\", "/") for f in site.chain)
+    assert fw is not None and fw.framework == "wandb"
+    assert "import syncless.wandb as wandb" in fw.fix
+
+
+def test_logging_a_tensor_lazily_names_the_users_line(monkeypatch):
+    import logging
+    from syncless.doctor._frames import stdlib
+    from syncless.doctor.audit import suggest_fix
+    logger = logging.getLogger("test_doctor.lazy")
+    logger.addHandler(logging.StreamHandler(io.StringIO()))    # a handler that formats
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    loss = torch.tensor(0.25)
+    site, fw = _site_of_read(monkeypatch, "__repr__",
+                             lambda: logger.info("loss %s", loss))   # formatted in logging
+    assert site.chain and all(stdlib(f.file) for f in site.chain), site.chain
+    assert fw is None
+    assert "syncless.sinks.Print()" in suggest_fix(site.code, {1}, {"cudaMemcpyAsync": 1})
 
 
 def run_cli(tmp_path, script_text, *options, args=(), timeout=300):

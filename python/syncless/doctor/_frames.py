@@ -99,6 +99,11 @@ def short(path: str) -> str:
     return rel if not rel.startswith(".." + os.sep + "..") else path
 
 
+def stdlib(filename: str) -> bool:
+    """Is this file the standard library's (logging, json, ...)?"""
+    return filename.startswith("<frozen") or os.path.abspath(filename).startswith(_STDLIB)
+
+
 def user_site(frame) -> Site | None:
     """The first user frame from `frame` outwards; None when the call came from syncless itself
     (its own bookkeeping, never the user's sync)."""

@@ -14,7 +14,7 @@ __all__ = ["FrameworkFix", "framework_fix"]
 
 
 class FrameworkFix(NamedTuple):
-    framework: str         # "transformers" | "lightning" | "torchmetrics" | "accelerate"
+    framework: str         # "transformers" | "lightning" | "torchmetrics" | "accelerate" | "wandb"
     frame: Frame           # the library line the rule matched
     fix: str
     setting: str = ""      # what the fix changes, in a word or two (the finding's title says it)
@@ -27,7 +27,7 @@ _MASKS = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa",
 def _package(frame: Frame) -> str:
     path = frame.file.replace("\\", "/")
     for name in ("transformers", "accelerate", "torchmetrics", "pytorch_lightning",
-                 "lightning_fabric", "lightning"):
+                 "lightning_fabric", "lightning", "wandb"):
         if f"/{name}/" in path:
             return "lightning" if name.startswith(("pytorch_lightning", "lightning")) else name
     return ""
@@ -83,6 +83,16 @@ def _torchmetrics(frame: Frame, text: str) -> tuple[str, str] | None:
     return None
 
 
+def _wandb(frames: tuple, frame: Frame, text: str) -> tuple[str, str] | None:
+    # wandb.log() turns each tensor into a number with .item() (wandb/util.py json_friendly).
+    # Called by a framework's logger, the framework's own rule (or setting) is the fix.
+    if any(_package(f) in ("lightning", "transformers", "accelerate") for f in frames):
+        return None
+    return ("wandb.log() reads every tensor it is given on the host (.item(), a sync per "
+            "tensor): `import syncless.wandb as wandb` takes the same calls without a sync",
+            "wandb.log")
+
+
 def framework_fix(chain: tuple) -> FrameworkFix | None:
     """The framework setting behind a sync whose library frames (innermost first) are `chain`."""
     for frame in chain:
@@ -96,6 +106,8 @@ def framework_fix(chain: tuple) -> FrameworkFix | None:
             fix = _accelerate(frame, text)
         elif pkg == "lightning":
             fix = _lightning(chain, frame, text)
+        elif pkg == "wandb":
+            fix = _wandb(chain, frame, text)
         else:
             fix = _torchmetrics(frame, text)
         if fix:

@@ -74,8 +74,16 @@ def suggest_fix(code: str, kinds: set, what: dict) -> str:
         return pageable
     # .item() and its kin read into pageable host memory with cudaMemcpyAsync, which waits
     # for the GPU's queue when it is busy: an "async" copy that blocked, but a host read.
-    host_read = re.search(r"\.item\(\)|\.tolist\(\)|float\(|int\(|\.cpu\(\)|\.numpy\(\)", code)
-    if ASYNC_COPY in kinds and not host_read:
+    # float(x), int(x): the builtins, not x.float() (a cast) nor print( (which holds "int(")
+    host_read = re.search(r"\.item\(\)|\.tolist\(\)|(?<![\w.])(float|int)\(|\.cpu\(\)|\.numpy\(\)",
+                          code)
+    # Logging calls that read the tensor (torch's TensorBoard writer is torch's code, so the
+    # user's line is the call; wandb's own frames are matched in _frameworks).
+    tensorboard = re.search(r"\.add_scalars?\(", code)
+    wandb = re.search(r"\bwandb\.log\(", code)
+    printed = re.search(r"\bprint\(|\bf[\"']|\.format\(|\blog(ger|ging)?\.(info|debug|warning)\(",
+                        code)
+    if ASYNC_COPY in kinds and not (host_read or tensorboard or wandb or printed):
         return pageable
     if re.search(r"cuda\.synchronize\(|DeviceSynchronize|CtxSynchronize", code + names):
         return ("remove the explicit synchronize; time GPU work with syncless.timer() (CUDA "
@@ -83,6 +91,17 @@ def suggest_fix(code: str, kinds: set, what: dict) -> str:
     if "EventSynchronize" in names or ".synchronize()" in code:
         return ("don't wait on the event in the loop: poll event.query() or read the timing "
                 "later (syncless.timer() does this without a wait)")
+    if tensorboard:
+        return ("SummaryWriter.add_scalar reads the value on the host: `from syncless.tensorboard "
+                "import SummaryWriter` takes the same calls without a sync (pass the tensor "
+                "itself, not .item())")
+    if wandb:
+        return ("`import syncless.wandb as wandb` takes the same wandb.log() calls without a "
+                "sync (pass the tensors themselves, not .item())")
+    if printed and not host_read:
+        return ("formatting a tensor (print, f-string, logging) reads it on the host: log it "
+                "with syncless.Logger (sinks=syncless.sinks.Print() prints each window), or "
+                "print every N steps")
     if host_read:
         return ("log the tensor itself with syncless.Logger (one kernel, zero syncs) instead "
                 "of reading it on the host every step")

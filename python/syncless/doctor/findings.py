@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._frames import stdlib
 from ._frameworks import framework_fix
 from ._loader import plan_workers
 from .audit import ASYNC_COPY
@@ -204,7 +205,10 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         blocked = f", blocking {ms:.3f} ms/step under the audit" if timed else ""
         via = f" (via {s.site.via})" if s.site.via else ""
         predicted = predict([s])
-        fix = Fix(s.fix() if not s.site.chain else
+        # A chain of standard-library frames only (logging formatting a tensor lazily): the
+        # user's own line is what to change.
+        in_library = any(not stdlib(f.file) for f in s.site.chain)
+        fix = Fix(s.fix() if not in_library else
                   f"the sync is made inside library code ({s.site.via} `"
                   f"{s.site.chain[0].code()}`), entered from your line: the fix is a setting of "
                   "that library, or a change there", predicted, "sync")
