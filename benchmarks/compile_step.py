@@ -28,9 +28,10 @@ period put every variant under both alike, where a whole period per variant (--t
 one variant's block fall on the fast speed and another's on the slow. Every round of a logging
 variant carries exactly one flush (mid-period) and its delivery, so --flush-every 1000 shows
 what the delivery costs per flush against per row. Medians over rounds, and per-round ratios to
-"no log" and to "metrics returned" with the 95% confidence interval of their median. Per variant also the training thread's CPU
-time per step and, for the loggers, the delivery thread's CPU time per row (it shares the GIL
-with the training thread). The host log() calls of a variant (Logger.stats.steps) show whether
+"no log" and to "metrics returned" with the 95% confidence interval of their median. Per
+variant also the training thread's CPU time per step and, for the loggers, the delivery
+thread's CPU time per row (it shares the GIL with the training thread), all of it and the part
+spent inside Delivery._decode (waiting for the copy, then making the rows). The host log() calls of a variant (Logger.stats.steps) show whether
 the gather was replayed inside the CUDA graph (a few calls: warm-up and recording) or ran on
 the host every step. Graph breaks are counted by torch._dynamo.explain on a copy of each
 forward. Every logged row is checked: steps 0..n-1 in order, none lost, and the last row's loss
