@@ -31,9 +31,9 @@ what the delivery costs per flush against per row. Medians over rounds, and per-
 "no log" and to "metrics returned" with the 95% confidence interval of their median. Per
 variant also the training thread's CPU time per step and, for the loggers, the delivery
 thread's CPU time per row (it shares the GIL with the training thread), all of it and the part
-spent inside Delivery._decode (waiting for the copy, then making the rows). The host log() calls of a variant (Logger.stats.steps) show whether
-the gather was replayed inside the CUDA graph (a few calls: warm-up and recording) or ran on
-the host every step. Graph breaks are counted by torch._dynamo.explain on a copy of each
+spent inside Delivery._decode (waiting for the copy, then making the rows). The host log()
+calls of a variant (Logger.stats.steps) show whether the gather was replayed inside the CUDA
+graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are counted by torch._dynamo.explain on a copy of each
 forward. Every logged row is checked: steps 0..n-1 in order, none lost, and the last row's loss
 equal to the last step's.
 
