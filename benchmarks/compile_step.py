@@ -19,23 +19,23 @@ variants of the compiled forward, each with its own model copy and Logger:
                    delivery. A diagnostic, not a way to use the logger
   graph break      the same log() wrapped in torch.compiler.disable: what a graph break
                    amounts to (the graph splits around an eager log() call, as before the op)
-Interleaved rounds: each round runs one flush period (--flush-every steps) of every variant, cut
-into --turns turns (default 4) that the variants take in turn (a shuffled order, reversed every
-other turn), synchronising before and after each turn, with the garbage collector off inside a
-round (collected between them: a collection landing in one variant's steps is noise, not its
-cost). The H200's host switches between two speeds about every second; turns of a quarter
-period put every variant under both alike, where a whole period per variant (--turns 1) let
-one variant's block fall on the fast speed and another's on the slow. Every round of a logging
-variant carries exactly one flush (mid-period) and its delivery, so --flush-every 1000 shows
-what the delivery costs per flush against per row. Medians over rounds, and per-round ratios to
-"no log" and to "metrics returned" with the 95% confidence interval of their median. Per
-variant also the training thread's CPU time per step and, for the loggers, the delivery
+Interleaved rounds: each round runs one flush period (--flush-every steps) of every variant,
+cut into --turns turns (default 4) that the variants take in turn (a shuffled order, reversed
+every other turn), synchronising before and after each turn, with the garbage collector off
+inside a round (collected between them: a collection landing in one variant's steps is noise,
+not its cost). The H200's host switches between two speeds about every second; turns of a
+quarter period put every variant under both alike, where a whole period per variant (--turns 1)
+let one variant's block fall on the fast speed and another's on the slow. Every round of a
+logging variant carries exactly one flush (mid-period) and its delivery, so --flush-every 1000
+shows what the delivery costs per flush against per row. Medians over rounds, and per-round
+ratios to "no log" and to "metrics returned" with the 95% confidence interval of their median.
+Per variant also the training thread's CPU time per step and, for the loggers, the delivery
 thread's CPU time per row (it shares the GIL with the training thread), all of it and the part
 spent inside Delivery._decode (waiting for the copy, then making the rows). The host log()
 calls of a variant (Logger.stats.steps) show whether the gather was replayed inside the CUDA
-graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are counted by torch._dynamo.explain on a copy of each
-forward. Every logged row is checked: steps 0..n-1 in order, none lost, and the last row's loss
-equal to the last step's.
+graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are
+counted by torch._dynamo.explain on a copy of each forward. Every logged row is checked: steps
+0..n-1 in order, none lost, and the last row's loss equal to the last step's.
 
 Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
 in front of it), the same row through the custom op called eagerly (the dispatcher's cost), and
