@@ -39,8 +39,9 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   breakdown in compile_diag.md). The token is a static input (its address checked in C++ with
   the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
   output; the op's share is its gather kernel, the token and the guards; the larger share is
-  the rows' delivery (decoding, Row objects, sinks) on the logger's thread, which shares the
-  GIL with the training thread.
+  the rows' delivery on the logger's thread, which shares the GIL with the training thread:
+  mostly a fixed cost per flush (waking, waiting for the copy, taking the GIL), the rows
+  themselves ~0.3 us each (hotpath_probe.txt, compile_step-flush1000.md).
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
