@@ -43,8 +43,7 @@ def _kind(filename: str) -> str:
             kind = "syncless"
         elif path.startswith(_TORCH) or _generated(filename, path):
             kind = "torch"
-        elif filename.startswith("<frozen") or path.startswith(_STDLIB) or \
-                any(s in path for s in _INSTALLED):
+        elif stdlib(filename) or any(s in path for s in _INSTALLED):
             kind = "library"
         else:
             kind = "user"
