@@ -56,10 +56,63 @@ def main() -> None:
         except Exception as exc:                     # private API: it moves between builds
             print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
     log.close()
-    try:
-        delivery_rows()
-    except Exception as exc:
-        print(f"delivery rows unavailable ({type(exc).__name__}: {exc})")
+    for part in (flush_parts, delivery_rows):
+        try:
+            part()
+        except Exception as exc:
+            print(f"{part.__name__} unavailable ({type(exc).__name__}: {exc})")
+
+
+def flush_parts() -> None:
+    """log.flush(wait=False) after one row, whole (its delivery thread then decodes that row
+    while the next calls run) and the pieces of its hand-over, each alone, on this thread."""
+    import queue
+    import time as _time
+
+    from syncless import logger as lg
+
+    log = syncless.Logger(every=10**9, capacity=1000, device="cuda")
+    m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
+    log.log(m4)
+    ring = log._ring
+    jobs = queue.SimpleQueue()
+
+    def log_and_flush():
+        log.log(m4)
+        log.flush(wait=False)
+
+    def mask_cycle():
+        mask = lg._signal_mask()
+        lg._defer_signals(mask)
+        lg._restore_signals(mask)
+
+    def device_ctx():
+        with torch.cuda.device(log._device):
+            pass
+
+    def copy_cycle():                # enqueue the copy; the wait and a decode of no rows free it
+        ring.copy_to(w.win)
+        w.win.wait()
+        w.win.decode(1 << 62, log._names, {})
+
+    w = lg._Window(log._device, log._gen.nbytes)
+    pieces = [
+        ("log.log(K=4) + flush(wait=False)", log_and_flush),
+        ("log.log(K=4) alone (same logger)", lambda: log.log(m4)),
+        ("with torch.cuda.device(...)", device_ctx),
+        ("signal mask: read, defer, restore", mask_cycle),
+        ("ring.capturing()", ring.capturing),
+        ("ring.copy_to + wait + empty decode", copy_cycle),
+        ("Pool.reuse()", log._pool.reuse),
+        ("SimpleQueue.put (no reader)", lambda: jobs.put(1)),
+        ("time.time()", _time.time),
+    ]
+    for name, fn in pieces:
+        try:
+            print(f"{name:42s} {cost(fn, calls=200):7.2f} µs")
+        except Exception as exc:                     # private API: it moves between builds
+            print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
+    log.close()
 
 
 def delivery_rows(rows: int = 100) -> None:
