@@ -1203,3 +1203,42 @@ def test_monitor_reads_each_steps_own_gpu_time():
     short = statistics.median(mon.gpu_ms[i] for i in range(10, len(sizes), 2))
     long = statistics.median(mon.gpu_ms[i] for i in range(11, len(sizes), 2))
     assert long > 5 * short, (short, long)
+
+
+def _distribution(root, name, code):
+    """A package laid out as `pip install --target root` lays it out: its files and dist-info."""
+    pkg = root / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(code))
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(name + "\n")
+    (info / "RECORD").write_text(f"{name}/__init__.py,,\n")
+
+
+@pytest.mark.parametrize("where", ["target", "project"])
+def test_a_package_installed_outside_site_packages_is_a_library(monkeypatch, tmp_path, where):
+    """`pip install --target DIR` on PYTHONPATH (the W&B wheel on the H200 was installed so):
+    its frames are the library's and the user's line is named. A distribution under the working
+    folder is the user's own project (`pip install -e .`): its line is the user's."""
+    from syncless.doctor import _frames
+    root = tmp_path / "site"
+    home = tmp_path / "work"
+    home.mkdir()
+    name = f"reader_{where}"
+    _distribution(home if where == "project" else root, name, """
+        def report(metrics):
+            return {k: v.item() for k, v in metrics.items()}
+    """)
+    monkeypatch.chdir(home)
+    monkeypatch.syspath_prepend(str(home if where == "project" else root))
+    module = __import__(name)
+    loss = torch.tensor(0.5)
+    site, _ = _site_of_read(monkeypatch, "item", lambda: module.report({"loss": loss}))
+    if where == "target":
+        assert "module.report(" in site.code, site          # the user's line, this test's
+        assert {_frames.short(f.file) for f in site.chain} == {f"{name}/__init__.py"}
+    else:
+        assert site.code == "return {k: v.item() for k, v in metrics.items()}", site
+        assert site.chain == ()

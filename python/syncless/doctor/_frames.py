@@ -43,12 +43,42 @@ def _kind(filename: str) -> str:
             kind = "syncless"
         elif path.startswith(_TORCH) or _generated(filename, path):
             kind = "torch"
-        elif stdlib(filename) or any(s in path for s in _INSTALLED):
+        elif stdlib(filename) or any(s in path for s in _INSTALLED) or _installed_elsewhere(path):
             kind = "library"
         else:
             kind = "user"
         _kinds[filename] = kind
     return kind
+
+
+_tops: tuple[tuple, set[str]] = ((), set())     # (sys.path it was read for, top-level names)
+
+
+def _installed_elsewhere(path: str) -> str | None:
+    """The sys.path entry of a file that an installed distribution owns outside site-packages
+    (`pip install --target DIR` put on PYTHONPATH, a vendored tree), else None. Files under
+    the working folder or the script's are the user's even when a distribution owns them (their
+    own project, installed with `pip install -e .`)."""
+    global _tops
+    if path.startswith("<"):
+        return None
+    home = [os.path.abspath(p) + os.sep for p in
+            (os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0] or ".")))]
+    if any(path.startswith(h) for h in home):
+        return None
+    entry = max((e for e in (os.path.abspath(p) + os.sep for p in sys.path if p)
+                 if path.startswith(e)), key=len, default=None)
+    if entry is None:
+        return None
+    if _tops[0] != tuple(sys.path):
+        try:
+            import importlib.metadata
+            tops = set(importlib.metadata.packages_distributions())
+        except Exception:                    # a broken distribution's metadata: no extra rule
+            tops = set()
+        _tops = (tuple(sys.path), tops)
+    top = path[len(entry):].split(os.sep, 1)[0]
+    return entry if top.removesuffix(".py") in _tops[1] else None
 
 
 class Frame(NamedTuple):
@@ -88,6 +118,8 @@ def short(path: str) -> str:
         i = path.rfind(marker)
         if i >= 0:
             return path[i + len(marker):]
+    if _kind(path) == "library" and (entry := _installed_elsewhere(path)):
+        return path[len(entry):]                 # `wandb/util.py` from a --target folder
     for stdlib in _STDLIB:                       # the standard library's: `selectors.py`
         if path.startswith(stdlib):
             return path[len(stdlib):]
