@@ -17,6 +17,7 @@ is the flush call; one in the steps after it is the delivery, whose thread share
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 import random
@@ -51,6 +52,45 @@ STRETCHES = [("steps 0-49 (before the flush)", 0, FLUSH_AT),
 NAMES = ["no log", "log() inside", cs.DELIVERED_APART]
 
 
+def time_pieces(log):
+    """Wrap the calls log.flush(wait=False) makes in timers: {piece: [ns, ...]}. The rest of
+    the call (torch.cuda.device's context, attribute work) is the whole less these."""
+    from syncless import _C
+    spent = collections.defaultdict(list)
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label].append(time.perf_counter_ns() - t0)
+        setattr(owner, name, timed)
+
+    class Ring:                                  # the C ring's methods, timed where flush calls
+        def __init__(self, ring):
+            self._ring = ring
+
+        def __getattr__(self, name):
+            return getattr(self._ring, name)
+    cuda = log._gen is not None
+    if cuda:
+        log._gen.ring = Ring(log._gen.ring)
+    for owner, name, label in [(_C, "defer_signals", "signals deferred"),
+                               (_C, "restore_signals", "signals restored"),
+                               (log._pool, "wait", "Pool.wait"),
+                               (log._pool, "reuse", "Pool.reuse"),
+                               *([(log._gen.ring, "capturing", "ring.capturing()"),
+                                  (log._gen.ring, "copy_to", "ring.copy_to (copy + event)")]
+                                 if cuda else []),
+                               (log._delivery, "submit_window", "submit_window (queue put)"),
+                               (log, "flush", "flush(wait=False), whole")]:
+        wrap(owner, name, label)
+    return spent
+
+
 def run_period(v, batches, sync):
     """One period of variant v: the end time of every step (perf_counter ns), from a synced
     start."""
@@ -72,6 +112,8 @@ def main(argv=None):
     p.add_argument("--section", default="infer", choices=["infer", "train"])
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--out", nargs="?", const=os.path.join(here, "results"))
+    p.add_argument("--pieces", action="store_true",
+                   help="also time the calls inside log.flush(wait=False), in the loop")
     p.add_argument("--smoke", action="store_true",
                    help="without CUDA: the default compile mode on the CPU, tiny model")
     args = p.parse_args(argv)
@@ -96,6 +138,7 @@ def main(argv=None):
             run_period(v, batches[:3], sync)
             if v.log is not None:
                 v.log.flush()
+        pieces = time_pieces(variants["log() inside"].log) if args.pieces else None
         per = {n: [] for n in NAMES}                     # per round: µs per step
         rng = random.Random(0)
         for r in range(args.rounds):
@@ -135,11 +178,20 @@ def main(argv=None):
     print(table)
     fl = med(flush_us)
     print(f"flush(wait=False) call alone: {num(fl['median'])} µs [{num(fl['lo'])}, {num(fl['hi'])}]")
+    piece_us = {}
+    if pieces:
+        # The signal functions are shared by every Logger: only this one flushes inside the
+        # loop, the others after their clock (their calls are counted too).
+        piece_us = {k: med([t / 1e3 for t in v]) | {"calls": len(v)} for k, v in pieces.items()}
+        for k, m in piece_us.items():
+            print(f"  {k:32s} {num(m['median'])} µs [{num(m['lo'])}, {num(m['hi'])}] "
+                  f"({m['calls']} calls)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         env = env_info(device, ["flush_profile", *(argv or sys.argv[1:])])
         write_json(os.path.join(args.out, f"flush_profile-{args.section}.json"),
-                   {"env": env, "stretches": result, "flush_call_us": fl})
+                   {"env": env, "stretches": result, "flush_call_us": fl,
+                    "flush_pieces_us": piece_us})
         with open(os.path.join(args.out, f"flush_profile-{args.section}.md"), "w") as f:
             f.write(f"# flush_profile --section {args.section} --rounds {args.rounds} — "
                     f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}\n\n{table}\n\n"

@@ -379,3 +379,36 @@ def test_gpu_time_on_cpu_rows_adds_no_columns():
         log.flush()
         assert log.gpu_steps() == []              # no GPU clock on host rows
     assert got.rows == [(0, {"x": 0.0}), (1, {"x": 1.0}), (2, {"x": 2.0})]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no pthread_sigmask")
+def test_a_hand_overs_signal_deferral_holds_runs_and_restores():
+    """_C.defer_signals/restore_signals, the pair around every flush's hand-over: a signal that
+    arrives in between waits for the restore; a handler that raises raises there; a handler
+    already due when the deferral starts runs inside it and leaves the mask as it was."""
+    from syncless import _C
+    from syncless.logger import _ASYNC
+    got = []
+    before = signal.signal(signal.SIGUSR1, lambda *a: got.append("ran"))
+    try:
+        _C.defer_signals(_ASYNC)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert got == []
+        assert signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        _C.restore_signals()
+        assert got == ["ran"]
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+
+        def interrupt(*a):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGUSR1, interrupt)
+        _C.defer_signals(_ASYNC)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(KeyboardInterrupt):
+            _C.restore_signals()
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+        _C.restore_signals()                       # unmatched: changes nothing
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])

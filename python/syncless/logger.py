@@ -49,39 +49,23 @@ _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 # Python runs signal handlers (Ctrl-C's KeyboardInterrupt) on the main thread between bytecodes, so
 # an exception can land between handing rows to the delivery thread and recording that it was
 # done: rows delivered twice, or a window never counted back (the next flush then waits
-# forever). A flush hands over with the signals that have Python handlers deferred: the OS holds
-# them for the few microseconds it takes, and they run as the hand-over ends. The waits before
-# it (for a free window) stay interruptible. Three pthread_sigmask calls per flush, on the main
-# thread only (Python runs handlers nowhere else); where there is no pthread_sigmask (Windows)
-# the hand-over is not protected. Of the asynchronous signals below, only those with a Python
-# handler at that moment are deferred (usually just SIGINT): a short mask keeps the calls cheap
-# (Python turns every mask it returns into a set of Signals members, ~4 us each).
-_ASYNC = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM",
-                                            "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2",
-                                            "SIGCHLD", "SIGWINCH", "SIGPIPE", "SIGXCPU")
-               if hasattr(signal, n)) if hasattr(signal, "pthread_sigmask") else ()
+# forever). A flush hands over with the asynchronous signals below blocked: the OS holds them
+# for the few microseconds it takes, and their handlers run as the hand-over ends (a signal
+# without a Python handler only has its default action delayed that long). The waits before it
+# (for a free window) stay interruptible. Two pthread_sigmask calls per flush, in C
+# (_C.defer_signals keeps the mask to restore, so no exception can lose it), on the main thread
+# only (Python runs handlers nowhere else); where there is no pthread_sigmask (Windows) the
+# hand-over is not protected.
+_ASYNC = tuple(int(getattr(signal, n)) for n in (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1",
+    "SIGUSR2", "SIGCHLD", "SIGWINCH", "SIGPIPE", "SIGXCPU")
+    if hasattr(signal, n)) if hasattr(signal, "pthread_sigmask") else ()
 _MAIN_THREAD = threading.main_thread().ident
 
 
-def _signal_mask() -> Any:
-    """The thread's signal mask before a hand-over, or None where nothing is deferred. Called
-    outside the hand-over's try: a handler already due runs here, before anything changed."""
-    if not _ASYNC or threading.get_ident() != _MAIN_THREAD:
-        return None
-    handled = [s for s in _ASYNC if callable(signal.getsignal(s))]
-    if not handled:
-        return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, ()), handled
-
-
-def _defer_signals(mask: Any) -> None:
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, mask[1])
-
-
-def _restore_signals(mask: Any) -> None:
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask[0])
+def _defers() -> bool:
+    """Does a hand-over on this thread block the asynchronous signals? (The main thread's.)"""
+    return bool(_ASYNC) and _get_ident() == _MAIN_THREAD
 
 
 class LoggerStats(NamedTuple):
@@ -459,11 +443,12 @@ class Logger:
                 self._flush_due = True               # no copies inside a capture: next call
                 return
             # An interrupt while waiting for a window leaves every row in the ring for the
-            # next flush; the hand-over itself runs with signals deferred (_signal_mask).
+            # next flush; the hand-over itself runs with signals deferred (_C.defer_signals).
             self._pool.wait()
-            mask = _signal_mask()
+            defers = _defers()
             try:
-                _defer_signals(mask)
+                if defers:
+                    _C.defer_signals(_ASYNC)
                 w = self._pool.reuse()
                 if w is None:
                     w = _Window(self._device, gen.nbytes)
@@ -476,7 +461,8 @@ class Logger:
                 self._delivery.submit_window(gen, w, time.time())
                 self._pool.taken += 1
             finally:
-                _restore_signals(mask)
+                if defers:
+                    _C.restore_signals()
 
     def _hand_over_host_rows(self) -> None:
         if not self._host_rows:
@@ -485,16 +471,18 @@ class Logger:
         if self._reducer is not None:
             rows = self._reducer.reduce_rows(rows, self._names)
         self._pool.wait()                    # may wait; an interrupt here loses nothing
-        mask = _signal_mask()
+        defers = _defers()
         try:
-            _defer_signals(mask)
+            if defers:
+                _C.defer_signals(_ASYNC)
             self._delivery.submit_rows(rows)
             self._pool.taken += 1
             self._host_rows = []
             self._since_flush = 0
             self._windows += 1
         finally:
-            _restore_signals(mask)
+            if defers:
+                _C.restore_signals()
 
     # ---- draining ----------------------------------------------------------------------------
 
