@@ -40,8 +40,6 @@ from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_find
 from .monitor import MonitorSummary, StepMonitor
 from .report import render_doctor
 
-SYNC_MIN_SAMPLES = 10      # stack samples at the sync lines before they time the syncs (~30% noise)
-
 __all__ = ["doctor", "Diagnosis", "assess", "QueueProbe", "timed_dataloaders"]
 
 
@@ -472,15 +470,11 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     sources = [(audit_ms, "audit")] if cupti else []
     if kernel_time is not None and kernel_time.blocked_ms is not None:
         sources.append((kernel_time.blocked_ms, "kernel trace"))
-    # A few samples say little (a stranger's 2.4-ms W&B step: 3 of ~40 samples at its .item()
-    # lines read 0.15 ms/step, where the audit saw 0.013 and removing the syncs won ~1%), and the
-    # largest of the figures is taken: below SYNC_MIN_SAMPLES hits the samples are left out.
     if cupti and sampler is not None and sampler.total and audit.sites:
         keys = {(x.site.file, x.site.line, x.site.via) for x in audit.sites.values()
                 if not (x.kinds == {ASYNC_COPY} and x.count < audit.step_count)}
         hits = sum(n for k, n in sampler.counts.items() if k in keys)
-        if hits >= SYNC_MIN_SAMPLES:
-            sources.append((step * hits / sampler.total, "stack samples"))
+        sources.append((step * hits / sampler.total, "stack samples"))
     d.sync_ms, d.sync_ms_source = max(sources, default=(0.0, ""), key=lambda v: v[0])
 
     # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
