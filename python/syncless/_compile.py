@@ -40,8 +40,9 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
   output; the op's share is its gather kernel, the token and the guards; the larger share is
   the rows' delivery on the logger's thread, which shares the GIL with the training thread:
-  mostly a fixed cost per flush (waking, waiting for the copy, taking the GIL), the rows
-  themselves ~0.3 us each (hotpath_probe.txt, compile_step-flush1000.md).
+  mostly a fixed cost per flush, paid in the two steps after it (flush_profile-*.md: ~370 us
+  on a 147-us inference step, the same when the thread takes the GIL once per flush instead of
+  twice), the rows themselves ~0.3 us each (hotpath_probe.txt, compile_step-flush1000.md).
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
