@@ -215,3 +215,18 @@ def test_quick_suite_runs_every_section_on_gpu(tmp_path):
     assert sec["launch"]["latency_us"]["graph"]["median"] > 0
     assert len([f for f in files if f.endswith(".png")]) == 3
     assert res["elapsed_s"]["total"] < 60
+
+
+def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path):
+    """benchmarks/flush_profile.py --smoke (CPU, default compile mode): the three variants run,
+    every logged row arrives in order (the script asserts it), and the JSON holds each stretch
+    of the period with the differences to no logging and the flush call's pieces."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.flush_profile", "--smoke", "--pieces",
+                        "--rounds", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads((tmp_path / "flush_profile-infer.json").read_text())
+    whole = data["stretches"]["whole period"]
+    assert set(whole) >= {"no log", "log() inside", "log() inside - no log"}
+    assert whole["no log"]["median"] > 0
+    assert data["flush_pieces_us"]["flush(wait=False), whole"]["calls"] >= 2
