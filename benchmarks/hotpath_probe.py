@@ -23,6 +23,14 @@ def cost(fn, calls: int = 500, blocks: int = 20) -> float:
                              for _ in range(blocks + 2))
 
 
+def print_costs(rows: list, calls: int = 500) -> None:
+    for name, fn in rows:
+        try:
+            print(f"{name:42s} {cost(fn, calls):7.2f} µs")
+        except Exception as exc:                     # private API: it moves between builds
+            print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
+
+
 def main() -> None:
     x = torch.zeros((), device="cuda")
     m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
@@ -50,11 +58,7 @@ def main() -> None:
         ("_auto_device()", _auto_device),
         ("with syncless.timer(): pass", timed_block),
     ]
-    for name, fn in rows:
-        try:
-            print(f"{name:42s} {cost(fn):7.2f} µs")
-        except Exception as exc:                     # private API: it moves between builds
-            print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
+    print_costs(rows)
     log.close()
     for part in (flush_parts, delivery_rows):
         try:
@@ -106,11 +110,7 @@ def flush_parts() -> None:
         ("SimpleQueue.put (no reader)", lambda: jobs.put(1)),
         ("time.time()", _time.time),
     ]
-    for name, fn in pieces:
-        try:
-            print(f"{name:42s} {cost(fn, calls=200):7.2f} µs")
-        except Exception as exc:                     # private API: it moves between builds
-            print(f"{name:42s} unavailable ({type(exc).__name__}: {exc})")
+    print_costs(pieces, calls=200)
     log.close()
 
 
