@@ -4,7 +4,7 @@
 
 Sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
 on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
-(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Five
+(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Six
 variants of the compiled forward, each with its own model copy and Logger:
   no log           the forward and loss alone: the floor
   metrics returned the same plus the metrics (accuracy, logit scale) computed and returned as
@@ -13,6 +13,10 @@ variants of the compiled forward, each with its own model copy and Logger:
                    syncless::log custom op, captured in the CUDA graph (0 graph breaks);
                    log.flush(wait=False) once per flush period (100 steps, --flush-every), since
                    replays do not flush: the rows reach the sink while the loop runs
+  log() inside, delivery='caller'
+                   the same with Logger(delivery="caller"): no delivery thread; the flush
+                   delivers the previous period's rows (their copy has landed) on the loop's
+                   own thread, so nothing competes with it for the GIL
   log(), delivered apart
                    the same op, but the block's rows are flushed and delivered after its clock
                    stopped (flush(), waiting): the op's own cost in the graph, without the
@@ -64,8 +68,10 @@ from benchmarks._common import (env_info, md_table, median_ci, num, paired_ratio
 FLUSH_EVERY = 100
 flush_every = FLUSH_EVERY                # --flush-every: the flush period of this run
 DELIVERED_APART = "log(), delivered apart"
-NAMES = ["no log", "metrics returned", "log() inside", DELIVERED_APART, "graph break"]
-LOGGING = ("log() inside", DELIVERED_APART, "graph break")
+CALLER = "log() inside, delivery='caller'"
+NAMES = ["no log", "metrics returned", "log() inside", CALLER, DELIVERED_APART, "graph break"]
+LOGGING = ("log() inside", CALLER, DELIVERED_APART, "graph break")
+FLUSHED = ("log() inside", CALLER)        # flush(wait=False) mid-period, delivered in the loop
 
 SECTION_TITLES = {"train": "training step: compiled forward+loss, eager backward (its compiled "
                            "graph) and foreach SGD",
@@ -134,7 +140,8 @@ class Variant:
         self.log = None
         if name in LOGGING:
             self.log = syncless.Logger(every=flush_every, sinks=self.sink,
-                                       capacity=4 * flush_every)
+                                       capacity=4 * flush_every,
+                                       delivery="caller" if name == CALLER else "thread")
         self.decode_cpu = 0.0                  # delivery thread CPU inside _decode (wait + rows)
         if self.log is not None:
             delivery, inner = self.log._delivery, self.log._delivery._decode
@@ -173,7 +180,7 @@ class Variant:
             if isinstance(loss, tuple):
                 loss = loss[0]
         self.steps += 1
-        if flush and self.name == "log() inside":
+        if flush and self.name in FLUSHED:
             t0 = time.perf_counter()
             self.log.flush(wait=False)                   # enqueues one copy; never waits
             self.flush_s.append(time.perf_counter() - t0)
@@ -294,10 +301,11 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
             v.log.flush()
         cpu0, rows0, dec0 = delivery[name]
         rows = v.sink_rows() - rows0
-        delivery[name] = (v.delivery_cpu() - cpu0) / rows * 1e6 if rows else None
+        threaded = v.log is not None and not v.log._delivery.caller
+        delivery[name] = (v.delivery_cpu() - cpu0) / rows * 1e6 if rows and threaded else None
         decode_cpu[name] = (v.decode_cpu - dec0) / rows * 1e6 if rows else None
-    print(f"  [{kind}] delivery thread CPU µs per row, all / inside _decode (copy wait and "
-          "rows): " + ", ".join(f"{n} {num(delivery[n])} / {num(decode_cpu[n])}"
+    print(f"  [{kind}] delivery CPU µs per row, all (its thread's) / inside _decode (copy wait "
+          "and rows): " + ", ".join(f"{n} {num(delivery[n])} / {num(decode_cpu[n])}"
                                for n in names if decode_cpu.get(n) is not None), flush=True)
     trees_after = tree_state(device)
     results = {"cudagraph_trees": {"after_warmup": trees_before, "after_rounds": trees_after}}
@@ -442,8 +450,11 @@ def write_out(out, env, args_used, sections, eager, verdict, tables, etable, mod
 
 def section_verdict(kind, res):
     inside, apart, brk = res["log() inside"], res[DELIVERED_APART], res["graph break"]
+    caller = res[CALLER]
     return (f"{kind}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
-            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); "
+            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); with "
+            f"delivery='caller' {pct(caller['ratio_to_no_log']['median'], 2)}, 95% CI "
+            f"{pct_ci(caller['ratio_ci95'])}, rows exact={caller['rows']['steps_exact']}; "
             f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
             f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; the op without the "
             f"rows' delivery {pct(apart['ratio_to_no_log']['median'], 2)}, 95% CI "

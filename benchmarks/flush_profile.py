@@ -3,10 +3,11 @@
     python -m benchmarks.flush_profile [--section infer|train] [--rounds N] [--out [DIR]]
 
 compile_step.py measures what log() inside a reduce-overhead step costs per period; this says
-where in the period it falls. Three of compile_step's variants (the same models, steps and
+where in the period it falls. Four of compile_step's variants (the same models, steps and
 Logger): "no log", "log() inside" (flush(wait=False) at step 50 of every 100, its rows
-delivered by the logger's thread while the loop runs) and "log(), delivered apart" (the same op,
-its rows flushed and delivered after the clock). Each round runs one period of each, in a
+delivered by the logger's thread while the loop runs), the same with delivery='caller' (that
+flush delivers the previous period's rows on the loop's thread) and "log(), delivered apart"
+(the same op, its rows flushed and delivered after the clock). Each round runs one period of each, in a
 shuffled order, the garbage collector off; every step's end is stamped with perf_counter (no
 synchronize: on a host-bound step the host's pace is the step's). Per variant and per stretch of
 the period (the steps before the flush, the flush's own step, the steps after it), the median
@@ -49,7 +50,7 @@ STRETCHES = [("steps 0-49 (before the flush)", 0, FLUSH_AT),
              ("steps 53-57", FLUSH_AT + 3, FLUSH_AT + 8),
              ("steps 58-69", FLUSH_AT + 8, FLUSH_AT + 20),
              ("steps 70-99", FLUSH_AT + 20, PERIOD)]
-NAMES = ["no log", "log() inside", cs.DELIVERED_APART]
+NAMES = ["no log", "log() inside", cs.CALLER, cs.DELIVERED_APART]
 
 
 def time_pieces(log):
@@ -172,12 +173,14 @@ def main(argv=None):
             d = entry[f"{n} - no log"]
             cells.append(f"{num(d['median'])} [{num(d['lo'])}, {num(d['hi'])}]")
         rows.append(cells)
-    flush_us = [s * 1e6 for s in variants["log() inside"].flush_s]
     table = md_table(["stretch", "steps"] + [f"{n} µs" for n in NAMES]
                      + [f"{n} − no log, µs (95% CI)" for n in NAMES[1:]], rows)
     print(table)
-    fl = med(flush_us)
-    print(f"flush(wait=False) call alone: {num(fl['median'])} µs [{num(fl['lo'])}, {num(fl['hi'])}]")
+    flushes = {n: med([s * 1e6 for s in variants[n].flush_s]) for n in cs.FLUSHED}
+    calls = "; ".join(f"{n}: {num(m['median'])} µs [{num(m['lo'])}, {num(m['hi'])}]"
+                      for n, m in flushes.items())
+    print(f"flush(wait=False) call alone: {calls}")
+    fl = flushes["log() inside"]
     piece_us = {}
     if pieces:
         # The signal functions are shared by every Logger: only this one flushes inside the
@@ -191,12 +194,11 @@ def main(argv=None):
         env = env_info(device, ["flush_profile", *(argv or sys.argv[1:])])
         write_json(os.path.join(args.out, f"flush_profile-{args.section}.json"),
                    {"env": env, "stretches": result, "flush_call_us": fl,
-                    "flush_pieces_us": piece_us})
+                    "flush_call_us_by_variant": flushes, "flush_pieces_us": piece_us})
         with open(os.path.join(args.out, f"flush_profile-{args.section}.md"), "w") as f:
             f.write(f"# flush_profile --section {args.section} --rounds {args.rounds} — "
                     f"{torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}\n\n{table}\n\n"
-                    f"flush(wait=False) call alone: {num(fl['median'])} µs "
-                    f"[{num(fl['lo'])}, {num(fl['hi'])}]\n")
+                    f"flush(wait=False) call alone: {calls}\n")
 
 
 if __name__ == "__main__":

@@ -453,6 +453,22 @@ static PyObject *Window_wait(Window *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* Has the copy landed? One cuEventQuery, never a wait: delivery on the training thread
+ * (Logger(delivery="caller")) decodes only the windows that answer True. */
+static PyObject *Window_ready(Window *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->pending)
+        Py_RETURN_TRUE;
+    sl_state *st = sl_type_state(Py_TYPE(self));
+    CUresult rc = st->drv.cuEventQuery(self->done);
+    if (rc == CUDA_ERROR_NOT_READY)
+        Py_RETURN_FALSE;
+    if (sl_check(st, rc, "cuEventQuery (window copy)"))
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
 /* A row_type instance (step, time, values); steals `values`, even on failure. */
 static PyObject *made_row(allocfunc alloc, PyTypeObject *type, int64_t step, double time,
                           PyObject *values)
@@ -460,7 +476,6 @@ static PyObject *made_row(allocfunc alloc, PyTypeObject *type, int64_t step, dou
     PyObject *s = PyLong_FromLongLong(step), *t = PyFloat_FromDouble(time);
     PyObject *item = s && t ? alloc(type, 3) : NULL;
     if (item == NULL) {
-        Py_XDECREF(item);
         Py_XDECREF(s);
         Py_XDECREF(t);
         Py_DECREF(values);
@@ -580,6 +595,7 @@ error:
 
 static PyMethodDef Window_methods[] = {
     {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
+    {"ready", (PyCFunction)Window_ready, METH_NOARGS, "Has the copy landed? (never waits)"},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
      "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None) -> "
      "(counter, rows)"},

@@ -218,7 +218,7 @@ def test_quick_suite_runs_every_section_on_gpu(tmp_path):
 
 
 def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path):
-    """benchmarks/flush_profile.py --smoke (CPU, default compile mode): the three variants run,
+    """benchmarks/flush_profile.py --smoke (CPU, default compile mode): the four variants run,
     every logged row arrives in order (the script asserts it), and the JSON holds each stretch
     of the period with the differences to no logging and the flush call's pieces."""
     r = subprocess.run([sys.executable, "-m", "benchmarks.flush_profile", "--smoke", "--pieces",
@@ -227,6 +227,9 @@ def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "flush_profile-infer.json").read_text())
     whole = data["stretches"]["whole period"]
-    assert set(whole) >= {"no log", "log() inside", "log() inside - no log"}
+    assert set(whole) >= {"no log", "log() inside", "log() inside - no log",
+                          "log() inside, delivery='caller' - no log"}
+    assert set(data["flush_call_us_by_variant"]) == {"log() inside",
+                                                     "log() inside, delivery='caller'"}
     assert whole["no log"]["median"] > 0
     assert data["flush_pieces_us"]["flush(wait=False), whole"]["calls"] >= 2

@@ -52,9 +52,10 @@ def step_fn(log):
     return step
 
 
-def test_fullgraph_step_logs_4_metrics_exactly_over_1000_steps():
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_fullgraph_step_logs_4_metrics_exactly_over_1000_steps(delivery):
     sink = Collect()
-    log = syncless.Logger(every=64, sinks=sink)
+    log = syncless.Logger(every=64, sinks=sink, delivery=delivery)
     fn = torch.compile(step_fn(log), fullgraph=True)
     torch.manual_seed(0)
     w = torch.randn(8, 8)
@@ -291,9 +292,10 @@ def test_cuda_compiled_step_logs_exact_values_without_a_sync():
 
 
 @pytest.mark.cuda
-def test_reduce_overhead_replays_append_one_row_each_with_exact_steps():
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_reduce_overhead_replays_append_one_row_each_with_exact_steps(delivery):
     sink = Collect()
-    log = syncless.Logger(every=10, sinks=sink, capacity=256)
+    log = syncless.Logger(every=10, sinks=sink, capacity=256, delivery=delivery)
     model = torch.nn.Linear(16, 16, device="cuda")
 
     def step(x):

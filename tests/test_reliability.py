@@ -141,14 +141,16 @@ def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
-def test_interrupts_landing_anywhere_never_hang_repeat_or_lose_a_row(device):
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_interrupts_landing_anywhere_never_hang_repeat_or_lose_a_row(device, delivery):
     """A signal handler that raises, fired at random moments of a logging loop (600 times):
     every interrupt reaches the loop as itself, and the rows are the calls that completed, each
     once, at consecutive steps. Before the hand-over ran with signals deferred, an interrupt
     between handing rows over and counting it made a later flush wait forever, and one inside
     threading.Condition.wait came out as "cannot release un-acquired lock", and on CUDA one
     handled as the gather returned left the host's step count one behind the ring's (each row's
-    value, the host's count at its call, was then one less than its step)."""
+    value, the host's count at its call, was then one less than its step). With
+    delivery="caller" the interrupts also land in the delivery, which runs in the loop."""
     r = run_python(f"""
         import collections, random, signal, sys
         import torch, syncless
@@ -166,7 +168,7 @@ def test_interrupts_landing_anywhere_never_hang_repeat_or_lose_a_row(device):
                 got.extend(rows)
 
         torch.zeros(1, device={device!r})    # torch's own CUDA start-up: not under test
-        log = syncless.Logger(every=2, windows=1, sinks=[Sink()])
+        log = syncless.Logger(every=2, windows=1, sinks=[Sink()], delivery={delivery!r})
         signal.signal(signal.SIGALRM, handler)
         random.seed(7)
         raised = 0

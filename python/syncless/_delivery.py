@@ -1,10 +1,12 @@
 """The delivery stage: everything that happens to a row after the training thread let it go.
 
-One object per Logger, one thread it owns. The training thread hands it work through a queue
-(`window`: a pinned copy of the device ring to decode; `rows`: host rows; `attach`: a value that
-becomes known later; `marker`: "tell me when you got here") and shares nothing else with it but
-the window pool (its lock, and the lock the training thread waits on for a window). On its own
-thread the stage:
+One object per Logger. By default it owns a thread, and the training thread hands it work through
+a queue (`window`: a pinned copy of the device ring to decode; `rows`: host rows; `attach`: a
+value that becomes known later; `marker`: "tell me when you got here") and shares nothing else
+with it but the window pool (its lock, and the lock the training thread waits on for a window).
+With Logger(delivery="caller") there is no thread: the jobs wait in a list and the training
+thread runs them itself at its next flush, those whose copies have landed (an event query, never
+a wait), so no second thread takes the GIL from a host-bound loop. Either way the stage:
 
     decodes a window (waiting, GIL released, for its copy event)
     counts NaN/Inf per metric
@@ -110,18 +112,50 @@ class Pool:
 
 
 class _Late:
-    __slots__ = ("step", "name", "resolve")
+    __slots__ = ("step", "name", "resolve", "value")
 
     def __init__(self, step: int, name: str, resolve: Callable[[], float]):
         self.step, self.name, self.resolve = step, name, resolve
+        self.value: float | None = None      # known without waiting (see _known)
+
+
+def _known(late: _Late) -> bool:
+    """Is the late value known without waiting? A resolve with a poll() method (a timer's
+    reading) says so, None meaning not yet; any other resolve is taken to be known (it runs
+    when its row is delivered, wherever that is)."""
+    poll = getattr(late.resolve, "poll", None)
+    if poll is None:
+        return True
+    try:
+        v = poll()
+    except Exception:
+        return True                          # resolve() will raise it, and it is reported
+    if v is None:
+        return False
+    late.value = float(v)
+    return True
+
+
+def _landed(job: tuple) -> bool:
+    """Can this job run without waiting? (Host rows always; a window once its copy landed.)"""
+    if job[0] != "window":
+        return True
+    try:
+        return job[2].win.ready()
+    except Exception:
+        return True                          # the decode's wait raises it, and it is reported
 
 
 class Delivery:
     """The delivery side of one Logger. Training-thread entry points: submit_window,
     submit_rows, attach, drain, stop, on_thread. Everything else runs on its thread."""
 
-    def __init__(self, sinks: list, names: list[str], pool: Pool, gpu_time: bool):
+    def __init__(self, sinks: list, names: list[str], pool: Pool, gpu_time: bool,
+                 caller: bool = False):
         self.sinks = sinks
+        self.caller = caller                 # delivery="caller": no thread, see pump()
+        self._pending: collections.deque = collections.deque()    # caller: jobs not yet run
+        self._pumping = 0                    # caller: the thread inside pump() or finish()
         self._names = names                  # append-only, shared with the training thread
         self._pool = pool
         self._gpu_time = gpu_time
@@ -155,13 +189,52 @@ class Delivery:
     def attach(self, step: int, name: str, resolve: Callable[[], float]) -> None:
         self._put(("late", _Late(step, name, resolve)))
 
+    # ---- delivery="caller": the training thread runs the jobs itself --------------------------
+    # The Logger calls pump() at each flush and finish() at flush(wait=True) and close(), both
+    # with signals deferred (as for a hand-over), and wait_landed() before them, interruptibly.
+
+    def pump(self, wait: bool = False) -> None:
+        """Run the pending jobs, oldest first: those whose copies have landed, or (wait) all of
+        them. Inside a sink's call to its logger it does nothing: the next pump runs them."""
+        if self._pumping:
+            return
+        self._pumping = threading.get_ident()
+        try:
+            pending = self._pending
+            while pending and (wait or _landed(pending[0])):
+                self._run(pending.popleft(), blocking=wait)
+        finally:
+            self._pumping = 0
+
+    def wait_landed(self, count: int) -> None:
+        """Wait (GIL released) for the copies of the `count` oldest pending jobs. Nothing
+        changes, so an interrupt here loses nothing."""
+        for job in list(self._pending)[:max(count, 0)]:
+            if job[0] == "window":
+                job[2].win.wait()
+
+    def finish(self, upto: float) -> None:
+        """After pump(wait=True): deliver held rows and late values of steps up to `upto`, then
+        flush the sinks (a drain's end)."""
+        if self._pumping:
+            return
+        self._pumping = threading.get_ident()
+        try:
+            self._emit([], upto=upto)
+            self.call_sinks("flush")
+        finally:
+            self._pumping = 0
+
+    def pending(self) -> int:
+        return len(self._pending)
+
     def drain(self, upto: float) -> None:
         """Return once everything submitted so far reached the sinks (held rows too, and late
         values of steps up to `upto`), then flush the sinks. On the delivery thread itself this
         would wait forever: refused."""
         if self._thread is None:
             return
-        self.refuse_on_thread("flush() or close()")
+        self.refuse_on_thread("flush() or close()")          # (the thread's side only)
         # A plain lock, released by the delivery thread: an interrupted wait changes nothing.
         done = threading.Lock()
         done.acquire()
@@ -170,6 +243,12 @@ class Delivery:
         self.call_sinks("flush")
 
     def stop(self) -> None:
+        if self.caller:
+            self._pumping = threading.get_ident()
+            try:
+                self._emit([], upto=math.inf)
+            finally:
+                self._pumping = 0
         if self._thread is not None:
             self._jobs.put(("stop",))
             self._thread.join()
@@ -179,6 +258,12 @@ class Delivery:
         return threading.get_ident() == self._ident
 
     def refuse_on_thread(self, what: str) -> None:
+        if self._pumping and self._pumping == threading.get_ident():
+            raise RuntimeError(
+                f"syncless.Logger: {what} was called from a sink's write(), while the logger "
+                "delivered its rows on this thread (delivery='caller'); it would deliver inside "
+                "its own delivery. Sinks must not call the logger they belong to (log to another "
+                "Logger, or keep the values and log them from the training loop).")
         if threading.get_ident() == self._ident:
             raise RuntimeError(
                 f"syncless.Logger: {what} was called from a sink's write(), on the logger's own "
@@ -189,12 +274,20 @@ class Delivery:
     def forget(self) -> None:
         """In a forked child: drop the parent's thread, queue and state without touching them."""
         self._jobs = queue.SimpleQueue()
+        self._pending = collections.deque()
+        self._pumping = 0
         self._thread = None
         self._ident = -1
         self._held = []
         self._late = []
 
     def _put(self, job: tuple) -> None:
+        if self.caller:
+            if job[0] == "late":
+                self._run(job)           # kept until its row comes (no copy to wait for)
+            else:
+                self._pending.append(job)
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="syncless-delivery",
                                             daemon=True)
@@ -215,27 +308,38 @@ class Delivery:
                 self._emit([], upto=job[2])
                 job[1].release()
                 continue
-            if kind == "late":
-                self._late.append(job[1])
-                self._hold = True
-                continue
-            try:
-                latest_done = False
-                if kind == "rows":
-                    rows = job[1]
-                    for row in rows:
-                        self._count_nonfinite(row.values)
-                else:
-                    rows, latest_done = self._decode(*job[1:])
-                self._emit(rows, upto=None, latest_done=latest_done)
-            except BaseException as exc:          # the thread must never die silently
-                _log.exception("syncless: delivery failed: %s", exc)
-            finally:
-                if kind == "window":
-                    gen, w = job[1], job[2]
-                    self._pool.give(w, keep=gen.current and w.nbytes >= gen.nbytes)
-                else:
-                    self._pool.give(None, keep=False)
+            self._run(job)
+
+    def _run(self, job: tuple, blocking: bool = True) -> None:
+        """One job: keep a late value, or deliver host rows or a window's rows and give the
+        window back. blocking False (a caller's pump): late values not known yet hold their
+        rows back instead of being waited for."""
+        kind = job[0]
+        if kind == "late":
+            self._late.append(job[1])
+            self._hold = True
+            return
+        try:
+            latest_done = False
+            if kind == "rows":
+                rows = job[1]
+                for row in rows:
+                    self._count_nonfinite(row.values)
+            else:
+                rows, latest_done = self._decode(*job[1:])
+            self._emit(rows, upto=None, latest_done=latest_done, blocking=blocking)
+        except Exception as exc:                  # delivery must never die silently
+            _log.exception("syncless: delivery failed: %s", exc)
+        except BaseException as exc:
+            if self.caller:                       # the training thread's own: it goes on up
+                raise
+            _log.exception("syncless: delivery failed: %s", exc)
+        finally:
+            if kind == "window":
+                gen, w = job[1], job[2]
+                self._pool.give(w, keep=gen.current and w.nbytes >= gen.nbytes)
+            else:
+                self._pool.give(None, keep=False)
 
     def _count_nonfinite(self, values: dict) -> None:
         for name, v in values.items():
@@ -293,9 +397,10 @@ class Delivery:
         else:
             steps.append([row.step, gpu, lag])
 
-    def _merge_late(self, rows: list[Row], upto: float | None) -> list[Row]:
+    def _merge_late(self, rows: list[Row], upto: float | None, blocking: bool) -> list[Row]:
         """Late values join the first row of their step; those whose step already went out
-        (or, at a drain, has no row) become rows of their own at that step."""
+        (or, at a drain, has no row) become rows of their own at that step. Not blocking, the
+        rows from the first step whose late value is not known yet are held back, with it."""
         if not self._late:
             return rows
         top = rows[-1].step if rows else -1
@@ -304,6 +409,14 @@ class Delivery:
         due, keep = [], []
         for late in self._late:
             (due if late.step <= top else keep).append(late)
+        if due and not blocking:
+            waiting = [late.step for late in due if not _known(late)]
+            if waiting:
+                first = min(waiting)
+                cut = next((i for i, row in enumerate(rows) if row.step >= first), len(rows))
+                rows, self._held = rows[:cut], rows[cut:] + self._held
+                keep += [late for late in due if late.step >= first]
+                due = [late for late in due if late.step < first]
         self._late = keep
         if not due:
             return rows
@@ -313,7 +426,9 @@ class Delivery:
         extra: dict[int, dict] = {}
         for late in due:
             try:
-                v = float(late.resolve())    # may wait (a timer's end event): this thread only
+                v = late.value
+                if v is None:                # may wait (a timer's end event)
+                    v = float(late.resolve())
             except BaseException as exc:
                 _log.error("syncless: late value %r for step %d failed: %s: %s",
                            late.name, late.step, type(exc).__name__, exc)
@@ -332,9 +447,11 @@ class Delivery:
             rows.sort(key=lambda r: r.step)        # stable: equal steps keep their order
         return rows
 
-    def _emit(self, rows: list[Row], upto: float | None, latest_done: bool = False) -> None:
+    def _emit(self, rows: list[Row], upto: float | None, latest_done: bool = False,
+              blocking: bool = True) -> None:
         """upto None: a batch (hold its newest step back); else a drain up to that step.
-        latest_done: the decode already put these rows' values in `latest` (nothing held)."""
+        latest_done: the decode already put these rows' values in `latest` (nothing held).
+        blocking False: late values are not waited for (see _merge_late)."""
         rows = self._held + rows
         self._held = []
         if rows and upto is None and self._hold:
@@ -343,7 +460,7 @@ class Delivery:
             while cut and rows[cut - 1].step == top:
                 cut -= 1
             rows, self._held = rows[:cut], rows[cut:]
-        rows = self._merge_late(rows, upto)
+        rows = self._merge_late(rows, upto, blocking)
         if not rows:
             return
         if not latest_done:
@@ -360,7 +477,7 @@ class Delivery:
             batch = rows if i == last else [row._with(dict(row.values)) for row in rows]
             try:
                 sink.write(batch)
-            except BaseException as exc:        # KeyboardInterrupt from a sink included
+            except BaseException as exc:        # KeyboardInterrupt raised by a sink included
                 self._sink_failed(i, sink, exc)
 
     def _sink_failed(self, i: int, sink: Any, exc: BaseException) -> None:

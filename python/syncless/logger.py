@@ -8,7 +8,9 @@ The data path, top to bottom:
     every `every` calls:
       -> _C.Ring.copy_to(win)   one async D2H copy of the ring into pinned memory + one event
       -> _delivery.Delivery     on its own thread: waits on the event (sleeping, GIL released),
-                                decodes the rows and hands them to the sinks in step order
+                                decodes the rows and hands them to the sinks in step order;
+                                with delivery="caller", on this thread at the next flush, once
+                                the event says the copy landed (never waiting for it)
 
 This module is the training thread's side (schema, steps, ring, windows); `_delivery` is the
 other thread's. The training thread only waits when every pinned window is still undelivered
@@ -43,6 +45,7 @@ _COLUMN_BLOCK = _C.COLUMN_BLOCK      # the ring grows its columns in blocks of o
 _captured_rings: list = []
 _get_ident = threading.get_ident
 _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first call / threads=True
+_DELIVERING = -3                             # ... while delivery="caller" runs the sinks
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 
 # ---- a hand-over no signal handler can cut in two ------------------------------------------------
@@ -134,12 +137,20 @@ class Logger:
     lock (~0.3 us more per call) and rows keep the order in which the calls took their steps.
     `gpu_time=True` adds `gpu/step_ms` (GPU time between consecutive rows) and `gpu/lag_ms` (how
     far the GPU trails the CPU) to every row, and keeps the GPU clock per step (gpu_steps()).
+
+    `delivery="thread"` (default): a thread of the logger's decodes the rows and calls the sinks.
+    `delivery="caller"`: the logging thread does it itself, at each flush, for the copies that
+    have landed by then (an event query; it waits only when every window is undelivered), so
+    rows reach the sinks one flush later and no second thread competes for the GIL: the choice
+    for a host-bound loop (a small compiled or graphed step) with quick sinks. The sinks' time
+    is then the loop's, and signals (Ctrl-C) wait until the sinks return.
     """
 
     def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
                  device: str | int | torch.device | None = None, capacity: int | None = None,
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
-                 sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False):
+                 sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
+                 delivery: str = "thread"):
         for name, v in (("every", every), ("windows", windows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -152,6 +163,10 @@ class Logger:
         sinks = _check_sinks(sinks)
         if sinks_on not in ("rank0", "all"):
             raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
+        if delivery not in ("thread", "caller"):
+            raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
+                             f"sinks) or 'caller' (the logging thread does, at its flushes), "
+                             f"got {delivery!r}")
         self._reducer = None
         if reduce is not None:
             from ._reduce import Reducer
@@ -179,7 +194,8 @@ class Logger:
         self._owner = _SHARED if threads else _UNOWNED
         self._shared = bool(threads)
         self._pool = Pool(windows)
-        self._delivery = Delivery(sinks, self._names, self._pool, bool(gpu_time))
+        self._delivery = Delivery(sinks, self._names, self._pool, bool(gpu_time),
+                                  caller=delivery == "caller")
         self._pid = os.getpid()
         _live.add(self)
         _compile.track(self)
@@ -438,17 +454,20 @@ class Logger:
             return
         gen = self._gen
         ring = gen.ring
+        caller = self._delivery.caller
         with torch.cuda.device(self._device):
             if ring.capturing():
                 self._flush_due = True               # no copies inside a capture: next call
                 return
             # An interrupt while waiting for a window leaves every row in the ring for the
             # next flush; the hand-over itself runs with signals deferred (_C.defer_signals).
-            self._pool.wait()
+            self._wait_for_window()
             defers = _defers()
             try:
                 if defers:
                     _C.defer_signals(_ASYNC)
+                if caller:
+                    self._deliver_here()             # the windows landed: rows out, windows back
                 w = self._pool.reuse()
                 if w is None:
                     w = _Window(self._device, gen.nbytes)
@@ -470,7 +489,7 @@ class Logger:
         rows = self._host_rows
         if self._reducer is not None:
             rows = self._reducer.reduce_rows(rows, self._names)
-        self._pool.wait()                    # may wait; an interrupt here loses nothing
+        self._wait_for_window()              # may wait; an interrupt here loses nothing
         defers = _defers()
         try:
             if defers:
@@ -480,6 +499,52 @@ class Logger:
             self._host_rows = []
             self._since_flush = 0
             self._windows += 1
+            if self._delivery.caller:
+                self._deliver_here()         # host rows need no copy: out at once
+        finally:
+            if defers:
+                _C.restore_signals()
+
+    def _wait_for_window(self) -> None:
+        """Backpressure before a hand-over: wait while every window is undelivered. The
+        delivery thread frees them; with delivery="caller" the oldest copies are waited for
+        here and delivered by the hand-over's _deliver_here. Nothing changes while it waits."""
+        d = self._delivery
+        if not d.caller:
+            self._pool.wait()
+            return
+        over = d.pending() - self._pool.limit + 1
+        if over > 0:
+            self._pool.waits += 1
+            d.wait_landed(over)
+
+    def _deliver_here(self, upto: float | None = None) -> None:
+        """delivery="caller", with signals deferred: run the pending jobs whose copies landed
+        (upto given: all of them, then the drain up to that step). Meanwhile the logger has no
+        owner, so a sink's log() is refused as a call from elsewhere, and never recurses."""
+        owner, self._owner = self._owner, _DELIVERING
+        try:
+            if upto is None:
+                self._delivery.pump()
+            else:
+                self._delivery.pump(wait=True)
+                self._delivery.finish(upto)
+        finally:
+            self._owner = owner
+
+    def _drain(self, upto: float) -> None:
+        """Return once every row handed over reached the sinks, and the sinks were flushed."""
+        d = self._delivery
+        if not d.caller:
+            d.drain(upto)
+            return
+        d.refuse_on_thread("flush() or close()")
+        d.wait_landed(d.pending())           # interruptible; nothing changes meanwhile
+        defers = _defers()
+        try:
+            if defers:
+                _C.defer_signals(_ASYNC)
+            self._deliver_here(upto)
         finally:
             if defers:
                 _C.restore_signals()
@@ -497,8 +562,11 @@ class Logger:
                 raise RuntimeError("flush() inside CUDA graph capture: flush after capture ends")
             self._flush_window()
             upto = self._last_step
+            if wait and self._delivery.caller:   # the sinks run here: one thread at a time
+                self._drain(upto)
+                return
         if wait:
-            self._delivery.drain(upto)
+            self._drain(upto)
 
     def close(self) -> None:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent."""
@@ -514,7 +582,11 @@ class Logger:
             finally:
                 self._closed = True
         try:
-            self._delivery.drain(float("inf"))
+            if self._delivery.caller:
+                with self._lock:
+                    self._drain(float("inf"))
+            else:
+                self._drain(float("inf"))
         finally:
             self._delivery.stop()
             self._delivery.call_sinks("close")

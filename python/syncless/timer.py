@@ -342,7 +342,7 @@ class Timer(_C.TimerBase):
                 last = log.last_step
                 step = last if last != rec._step0 else last + 1
             # Read on the delivery thread, which may wait for the end event there.
-            log.attach(self.name, _reader(rec), step)
+            log.attach(self.name, _Reader(rec), step)
 
     def __call__(self, fn: Callable) -> Callable:
         """Decorate fn: every call is timed. An unnamed timer takes the function's name."""
@@ -548,8 +548,19 @@ class _Registry:
 timers = _Registry()
 
 
-def _reader(rec: Timing) -> Callable[[], float]:
-    return lambda: rec.ms
+class _Reader:
+    """A timing's value for Logger.attach: calling it waits for the end event; poll() does not
+    (None until known), so delivery on the training thread never waits for a timer."""
+    __slots__ = ("rec",)
+
+    def __init__(self, rec: Timing):
+        self.rec = rec
+
+    def __call__(self) -> float:
+        return self.rec.ms
+
+    def poll(self) -> float | None:
+        return self.rec._poll()
 
 
 # ---- microbenchmark ----------------------------------------------------------------------------
