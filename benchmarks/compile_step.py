@@ -337,6 +337,10 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
                          "last_loss_exact": v.sink.last is not None
                          and v.sink.last.values["loss"] == v.last_loss
                          and v.sink.last.values["lr"] == 0.01}
+    to_thread = paired_ratios(per_step, CALLER, "log() inside")
+    ci_thread = median_ci(to_thread)
+    results[CALLER]["ratio_to_thread"] = summarize(to_thread)
+    results[CALLER]["ratio_to_thread_ci95"] = list(ci_thread) if ci_thread else None
     return results
 
 
@@ -454,7 +458,9 @@ def section_verdict(kind, res):
     return (f"{kind}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
             f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); with "
             f"delivery='caller' {pct(caller['ratio_to_no_log']['median'], 2)}, 95% CI "
-            f"{pct_ci(caller['ratio_ci95'])}, rows exact={caller['rows']['steps_exact']}; "
+            f"{pct_ci(caller['ratio_ci95'])} ({pct(caller['ratio_to_thread']['median'], 2)} vs "
+            f"the delivery thread, 95% CI {pct_ci(caller['ratio_to_thread_ci95'])}), rows "
+            f"exact={caller['rows']['steps_exact'] and caller['rows']['last_loss_exact']}; "
             f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
             f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; the op without the "
             f"rows' delivery {pct(apart['ratio_to_no_log']['median'], 2)}, 95% CI "

@@ -167,14 +167,17 @@ def main(argv=None):
         entry = {n: med(sums[n]) for n in NAMES}
         for n in NAMES[1:]:
             entry[f"{n} - no log"] = med([x - y for x, y in zip(sums[n], sums["no log"])])
+        entry[f"{cs.CALLER} - log() inside"] = med(
+            [x - y for x, y in zip(sums[cs.CALLER], sums["log() inside"])])
         result[label] = entry
         cells = [label, str(b - a)] + [num(entry[n]["median"]) for n in NAMES]
-        for n in NAMES[1:]:
-            d = entry[f"{n} - no log"]
+        for n in [f"{n} - no log" for n in NAMES[1:]] + [f"{cs.CALLER} - log() inside"]:
+            d = entry[n]
             cells.append(f"{num(d['median'])} [{num(d['lo'])}, {num(d['hi'])}]")
         rows.append(cells)
     table = md_table(["stretch", "steps"] + [f"{n} µs" for n in NAMES]
-                     + [f"{n} − no log, µs (95% CI)" for n in NAMES[1:]], rows)
+                     + [f"{n} − no log, µs (95% CI)" for n in NAMES[1:]]
+                     + ["delivery='caller' − thread, µs (95% CI)"], rows)
     print(table)
     flushes = {n: med([s * 1e6 for s in variants[n].flush_s]) for n in cs.FLUSHED}
     calls = "; ".join(f"{n}: {num(m['median'])} µs [{num(m['lo'])}, {num(m['hi'])}]"

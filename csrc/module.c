@@ -22,18 +22,93 @@ static PyObject *driver_version(PyObject *module, PyObject *unused)
     return PyLong_FromLong(st->drv.version);
 }
 
-/* defer_signals(signums): block those signals on this thread (the main one: Python runs handlers
- * nowhere else); the OS holds them until restore_signals(). The mask before is kept here, not
- * returned, so an exception landing between the calls and Python's bookkeeping cannot lose it:
- * restore_signals() in a `finally` puts it back whatever ran. Nested pairs restore at the
- * outermost. A handler already due runs here, after the block (as signal.pthread_sigmask runs
- * it); one that raises leaves the mask as it was. One pthread_sigmask call each way, where
+/* defer_signals(signums): hold those signals until restore_signals(), so that no Python handler
+ * (Ctrl-C's KeyboardInterrupt) runs in between. Two mechanisms, because Python runs a handler on
+ * the main thread whichever thread the OS gave the signal to:
+ *  - they are blocked on this thread (the main one), so a signal sent to it waits in the OS;
+ *  - a signal sent to the process goes to some other thread that does not block it (a CUDA
+ *    driver thread, a DataLoader's), where CPython's C handler would note it and the main
+ *    thread would run the Python handler at its next bytecode: so, for the signals whose
+ *    handler is CPython's, a C handler of ours takes its place that sends the signal on to
+ *    this thread, where it waits with the others; restore_signals() puts CPython's back. One
+ *    the OS gave that thread just before the restore may pass it on just after: its Python
+ *    handler then runs a few microseconds after the restore, never inside, and none is lost.
+ * The mask and handlers before are kept here, not returned, so an exception landing between the
+ * calls and Python's bookkeeping cannot lose them: restore_signals() in a `finally` puts them back
+ * whatever ran. Nested pairs act at the outermost. A handler already due runs here, once the
+ * signals are held (as signal.pthread_sigmask runs it); one that raises leaves all as it was.
+ * About 15-20 sigaction and 2 pthread_sigmask system calls a pair, a few microseconds, where
  * Python's signal.getsignal per signal and signal.pthread_sigmask's sets of Signals members cost
- * the H200's host ~100 us a flush. Blocking a signal that has no Python handler only delays its
- * default action by as long as the hand-over takes. */
+ * the H200's host ~100 us. Holding a signal that has no Python handler only delays its default
+ * action by as long as the hold lasts; one whose default action is to stop the process, sent to
+ * the process while another thread does not block it, still stops it at once. */
 #ifndef _WIN32
+#define HELD_MAX 64 /* signals one deferral can name */
 static sigset_t saved_mask;
 static int mask_depth;
+static void (*python_handler)(int);             /* CPython's C handler, once seen */
+static int held_signals[HELD_MAX], n_held;      /* signals whose handler we replaced */
+static struct sigaction held_actions[HELD_MAX]; /* ...and their handlers before */
+static pthread_t holder;                        /* the thread that defers (the main one) */
+
+/* On whichever thread the OS chose: on to the holder (pthread_kill is async-signal-safe). */
+static void pass_signal(int sig)
+{
+    int saved = errno;
+    pthread_kill(holder, sig);
+    errno = saved;
+}
+
+/* CPython installs one C function for every Python-level handler; SIGINT's, Python's own
+ * default_int_handler, shows its address. Unknown until a SIGINT handler is CPython's. */
+static void learn_python_handler(void)
+{
+    struct sigaction cur;
+    if (python_handler == NULL && sigaction(SIGINT, NULL, &cur) == 0 &&
+        !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler != SIG_DFL && cur.sa_handler != SIG_IGN &&
+        cur.sa_handler != pass_signal)
+        python_handler = cur.sa_handler;
+}
+
+static void take_handlers(const int *sigs, int n)
+{
+    learn_python_handler();
+    n_held = 0;
+    if (python_handler == NULL)
+        return;
+    holder = pthread_self();
+    for (int i = 0; i < n && n_held < HELD_MAX; i++) {
+        struct sigaction cur, ours;
+        if (sigaction(sigs[i], NULL, &cur) || (cur.sa_flags & SA_SIGINFO) ||
+            cur.sa_handler != python_handler)
+            continue;
+        ours = cur;
+        ours.sa_handler = pass_signal;
+        sigfillset(&ours.sa_mask); /* pass_signal runs alone */
+        if (sigaction(sigs[i], &ours, NULL) == 0) {
+            held_actions[n_held] = cur;
+            held_signals[n_held++] = sigs[i];
+        }
+    }
+}
+
+/* CPython's handlers back (unless something installed another meanwhile); the signals passed
+ * on meanwhile wait on this thread (blocked) until the mask comes back. */
+static void give_back_handlers(void)
+{
+    for (int i = 0; i < n_held; i++) {
+        struct sigaction cur;
+        if (sigaction(held_signals[i], NULL, &cur) == 0 && cur.sa_handler == pass_signal)
+            sigaction(held_signals[i], &held_actions[i], NULL);
+    }
+    n_held = 0;
+}
+
+static void end_deferral(void)
+{
+    give_back_handlers();
+    pthread_sigmask(SIG_SETMASK, &saved_mask, NULL);
+}
 #endif
 
 static PyObject *defer_signals(PyObject *module, PyObject *signums)
@@ -47,26 +122,31 @@ static PyObject *defer_signals(PyObject *module, PyObject *signums)
         return NULL;
     }
     sigset_t set, old;
+    int sigs[HELD_MAX], n = 0;
     sigemptyset(&set);
     for (Py_ssize_t i = 0, k = PyTuple_Size(signums); i < k; i++) {
-        long n = PyLong_AsLong(PyTuple_GetItem(signums, i));
-        if (n == -1 && PyErr_Occurred())
+        long v = PyLong_AsLong(PyTuple_GetItem(signums, i));
+        if (v == -1 && PyErr_Occurred())
             return NULL;
-        if (sigaddset(&set, (int)n)) {
-            PyErr_Format(PyExc_ValueError, "defer_signals(): %ld is not a signal number", n);
+        if (v <= 0 || v >= NSIG || sigaddset(&set, (int)v)) {
+            PyErr_Format(PyExc_ValueError, "defer_signals(): %ld is not a signal number", v);
             return NULL;
         }
+        if (n < HELD_MAX)
+            sigs[n++] = (int)v;
     }
     int err = pthread_sigmask(SIG_BLOCK, &set, &old);
     if (err) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (mask_depth++ == 0)
+    if (mask_depth++ == 0) {
         saved_mask = old;
+        take_handlers(sigs, n);
+    }
     if (PyErr_CheckSignals()) {
         if (--mask_depth == 0)
-            pthread_sigmask(SIG_SETMASK, &saved_mask, NULL);
+            end_deferral();
         return NULL;
     }
 #endif
@@ -74,8 +154,8 @@ static PyObject *defer_signals(PyObject *module, PyObject *signums)
 }
 
 /* restore_signals(): undo the matching defer_signals() (nothing when it raised or never ran);
- * at the outermost, the mask before it comes back and the handlers of the signals that arrived
- * meanwhile run: one that raises raises here. */
+ * at the outermost, the handlers and mask before it come back and the handlers of the signals
+ * that arrived meanwhile run: one that raises raises here. */
 static PyObject *restore_signals(PyObject *module, PyObject *unused)
 {
     (void)module;
@@ -83,6 +163,7 @@ static PyObject *restore_signals(PyObject *module, PyObject *unused)
 #ifndef _WIN32
     if (mask_depth == 0 || --mask_depth > 0)
         Py_RETURN_NONE;
+    give_back_handlers();
     int err = pthread_sigmask(SIG_SETMASK, &saved_mask, NULL);
     if (err) {
         errno = err;

@@ -385,16 +385,17 @@ def test_gpu_time_on_cpu_rows_adds_no_columns():
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no pthread_sigmask")
 def test_a_hand_overs_signal_deferral_holds_runs_and_restores():
-    """_C.defer_signals/restore_signals, the pair around every flush's hand-over: a signal that
-    arrives in between waits for the restore; a handler that raises raises there; a handler
-    already due when the deferral starts runs inside it and leaves the mask as it was."""
+    """_C.defer_signals/restore_signals, the pair around every flush's hand-over: a signal sent
+    to the main thread in between waits for the restore; a handler that raises raises there; a
+    handler already due when the deferral starts runs inside it and leaves the mask as it was."""
     from syncless import _C
     from syncless.logger import _ASYNC
     got = []
+    main = threading.main_thread().ident
     before = signal.signal(signal.SIGUSR1, lambda *a: got.append("ran"))
     try:
         _C.defer_signals(_ASYNC)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        signal.pthread_kill(main, signal.SIGUSR1)
         assert got == []
         assert signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         _C.restore_signals()
@@ -405,12 +406,58 @@ def test_a_hand_overs_signal_deferral_holds_runs_and_restores():
             raise KeyboardInterrupt
         signal.signal(signal.SIGUSR1, interrupt)
         _C.defer_signals(_ASYNC)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        signal.pthread_kill(main, signal.SIGUSR1)
         with pytest.raises(KeyboardInterrupt):
             _C.restore_signals()
         assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
         _C.restore_signals()                       # unmatched: changes nothing
         assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
     finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no pthread_sigmask")
+def test_a_signal_the_os_gives_another_thread_still_waits_for_the_restore():
+    """A signal sent to the process goes to a thread that does not block it; Python still runs
+    its handler on the main thread, at the next bytecode. During a deferral it must wait like one
+    sent to the main thread (before, with a CUDA driver thread open to signals, an interrupt
+    landed inside a delivery on the main thread: a sink lost its rows and the interrupt was
+    taken for the sink's own error). It runs at the restore or, when that thread took it just
+    before, within microseconds after; then the handler is the one that was installed."""
+    from syncless import _C
+    from syncless.logger import _ASYNC
+    got = []
+
+    def note(*a):
+        got.append(threading.current_thread() is threading.main_thread())
+    before = signal.signal(signal.SIGUSR1, note)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, args=(30,))      # signals open on it
+    other.start()
+    try:
+        _C.defer_signals(_ASYNC)
+        os.kill(os.getpid(), signal.SIGUSR1)                    # the OS picks `other`
+        total = 0
+        for i in range(100_000):                                # bytecodes a handler could
+            total += i                                          # have run in
+        time.sleep(0.02)
+        assert got == []
+        _C.restore_signals()
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.01)
+        assert got == [True]                                    # once, on the main thread
+        assert signal.getsignal(signal.SIGUSR1) is note
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+        os.kill(os.getpid(), signal.SIGUSR1)                    # and the handler works after
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert got == [True, True]
+    finally:
+        stop.set()
+        other.join()
         signal.signal(signal.SIGUSR1, before)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])

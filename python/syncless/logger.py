@@ -308,9 +308,11 @@ class Logger:
     def attach(self, name: str, resolve: Callable[[], float], step: int | None = None) -> None:
         """Add a value that becomes known later to the row of `step` (default: the last logged
         step). `resolve()` runs on the delivery thread when that row is delivered, may wait
-        there (never in the training loop) and returns a float. Values attached under one name
-        for one step add up. If the step's row already went to the sinks, the value comes as a
-        row of its own at that step (`row.late` is True)."""
+        there (never in the training loop) and returns a float. With delivery="caller" it runs
+        in the loop, at a flush: one with a `poll()` method (None until the value is known, as
+        a timer's reader has) holds the row back to a later flush instead of being waited for.
+        Values attached under one name for one step add up. If the step's row already went to
+        the sinks, the value comes as a row of its own at that step (`row.late` is True)."""
         if self._closed:
             self._refuse_closed()
         if not isinstance(name, str):
