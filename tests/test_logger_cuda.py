@@ -60,10 +60,11 @@ def test_one_kernel_launch_per_call_whatever_the_number_of_metrics():
     assert len(launches) == 40
 
 
-def test_graph_replay_appends_one_row_per_replay():
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_graph_replay_appends_one_row_per_replay(delivery):
     sink = Collect()
     static_x = torch.zeros((), device="cuda")
-    log = syncless.Logger(every=10, sinks=sink, device="cuda", capacity=64)
+    log = syncless.Logger(every=10, sinks=sink, device="cuda", capacity=64, delivery=delivery)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):                                   # warm-up, as torch requires

@@ -196,9 +196,10 @@ def test_interrupts_landing_anywhere_never_hang_repeat_or_lose_a_row(device, del
 
 # ---- threads ------------------------------------------------------------------------------------
 
-def test_threads_true_serialises_calls_in_order_and_drops_nothing(device):
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_threads_true_serialises_calls_in_order_and_drops_nothing(device, delivery):
     got = Collect()
-    with syncless.Logger(every=7, sinks=[got], threads=True) as log:
+    with syncless.Logger(every=7, sinks=[got], threads=True, delivery=delivery) as log:
         def work(k):
             for i in range(200):
                 log(**{f"t{k}": value(i, device)})

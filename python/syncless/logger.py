@@ -52,13 +52,15 @@ _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 # Python runs signal handlers (Ctrl-C's KeyboardInterrupt) on the main thread between bytecodes, so
 # an exception can land between handing rows to the delivery thread and recording that it was
 # done: rows delivered twice, or a window never counted back (the next flush then waits
-# forever). A flush hands over with the asynchronous signals below blocked: the OS holds them
-# for the few microseconds it takes, and their handlers run as the hand-over ends (a signal
-# without a Python handler only has its default action delayed that long). The waits before it
-# (for a free window) stay interruptible. Two pthread_sigmask calls per flush, in C
-# (_C.defer_signals keeps the mask to restore, so no exception can lose it), on the main thread
-# only (Python runs handlers nowhere else); where there is no pthread_sigmask (Windows) the
-# hand-over is not protected.
+# forever). A flush hands over with the asynchronous signals below held: blocked on this thread,
+# and, for those with a Python handler, passed on to it from any other thread the OS gives them
+# to (a CUDA driver thread), so their handlers run as the hand-over ends (a signal without a
+# Python handler only has its default action delayed that long). With delivery="caller" the
+# sinks run inside that hand-over too. The waits before it (for a free window, for a copy) stay
+# interruptible. A few system calls per flush, in C (_C.defer_signals keeps the mask and the
+# handlers to restore, so no exception can lose them), on the main thread only (Python runs
+# handlers nowhere else); where there is no pthread_sigmask (Windows) the hand-over is not
+# protected.
 _ASYNC = tuple(int(getattr(signal, n)) for n in (
     "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1",
     "SIGUSR2", "SIGCHLD", "SIGWINCH", "SIGPIPE", "SIGXCPU")
