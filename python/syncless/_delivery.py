@@ -234,7 +234,7 @@ class Delivery:
         would wait forever: refused."""
         if self._thread is None:
             return
-        self.refuse_on_thread("flush() or close()")          # (the thread's side only)
+        self.refuse_on_thread("flush() or close()")
         # A plain lock, released by the delivery thread: an interrupted wait changes nothing.
         done = threading.Lock()
         done.acquire()
@@ -243,7 +243,10 @@ class Delivery:
         self.call_sinks("flush")
 
     def stop(self) -> None:
+        """Deliver what is left (the thread: the jobs queued before the stop; the caller: those
+        pending, waiting for their copies), then end."""
         if self.caller:
+            self.pump(wait=True)
             self._pumping = threading.get_ident()
             try:
                 self._emit([], upto=math.inf)
