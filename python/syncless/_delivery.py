@@ -213,15 +213,16 @@ class Delivery:
             if job[0] == "window":
                 job[2].win.wait()
 
-    def finish(self, upto: float) -> None:
+    def finish(self, upto: float, flush_sinks: bool = True) -> None:
         """After pump(wait=True): deliver held rows and late values of steps up to `upto`, then
-        flush the sinks (a drain's end)."""
+        (flush_sinks) flush the sinks: a drain's end."""
         if self._pumping:
             return
         self._pumping = threading.get_ident()
         try:
             self._emit([], upto=upto)
-            self.call_sinks("flush")
+            if flush_sinks:
+                self.call_sinks("flush")
         finally:
             self._pumping = 0
 
@@ -247,11 +248,7 @@ class Delivery:
         pending, waiting for their copies), then end."""
         if self.caller:
             self.pump(wait=True)
-            self._pumping = threading.get_ident()
-            try:
-                self._emit([], upto=math.inf)
-            finally:
-                self._pumping = 0
+            self.finish(math.inf, flush_sinks=False)
         if self._thread is not None:
             self._jobs.put(("stop",))
             self._thread.join()

@@ -543,15 +543,16 @@ class Logger:
             d.drain(upto)
             return
         d.refuse_on_thread("flush() or close()")
-        d.wait_landed(d.pending())           # interruptible; nothing changes meanwhile
-        defers = _defers()
-        try:
-            if defers:
-                _C.defer_signals(_ASYNC)
-            self._deliver_here(upto)
-        finally:
-            if defers:
-                _C.restore_signals()
+        with self._lock:                     # the sinks run on this thread: one at a time
+            d.wait_landed(d.pending())       # interruptible; nothing changes meanwhile
+            defers = _defers()
+            try:
+                if defers:
+                    _C.defer_signals(_ASYNC)
+                self._deliver_here(upto)
+            finally:
+                if defers:
+                    _C.restore_signals()
 
     # ---- draining ----------------------------------------------------------------------------
 
@@ -566,9 +567,6 @@ class Logger:
                 raise RuntimeError("flush() inside CUDA graph capture: flush after capture ends")
             self._flush_window()
             upto = self._last_step
-            if wait and self._delivery.caller:   # the sinks run here: one thread at a time
-                self._drain(upto)
-                return
         if wait:
             self._drain(upto)
 
@@ -586,11 +584,7 @@ class Logger:
             finally:
                 self._closed = True
         try:
-            if self._delivery.caller:
-                with self._lock:
-                    self._drain(float("inf"))
-            else:
-                self._drain(float("inf"))
+            self._drain(float("inf"))
         finally:
             self._delivery.stop()
             self._delivery.call_sinks("close")
