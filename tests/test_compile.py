@@ -194,9 +194,8 @@ def test_new_names_steps_and_eager_logging_do_not_recompile():
 
 
 def test_a_changing_learning_rate_passed_as_a_tensor_compiles_once_and_logs_exactly():
-    """The README's advice for a number that changes every step (a scheduler's lr): passed in as
-    a tensor it is a graph input, so 12 values give one graph, each row exact. As a float it is
-    a constant of the op: one graph per value (the README says so)."""
+    """A number that changes every step (a scheduler's lr) passed in as a tensor is a graph
+    input: 12 values give one graph (as a float, two: see the next test), each row exact."""
     sink = Collect()
     log = syncless.Logger(every=4, sinks=sink)
     model = torch.nn.Linear(3, 1)
@@ -220,6 +219,37 @@ def test_a_changing_learning_rate_passed_as_a_tensor_compiles_once_and_logs_exac
         opt.zero_grad()
         sched.step()
     assert graphs() == 1
+    log.close()
+    assert [(r.step, r.values) for r in sink.rows] == want
+
+
+def test_changing_python_numbers_recompile_once_and_log_exactly():
+    """A scheduler's lr read inside the compiled step (a float) and a token count (an int past
+    float32's range) change every step: one recompile (the second trace makes them dynamic, see
+    _compile), not one per value until the recompile limit, and every row exact."""
+    sink = Collect()
+    log = syncless.Logger(every=8, sinks=sink)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
+
+    @torch.compile(fullgraph=True)
+    def step(x, tokens):
+        loss = model(x).square().mean()
+        log(loss=loss, lr=opt.param_groups[0]["lr"], tokens=tokens, warm=True)
+        return loss
+
+    counters.clear()
+    want = []
+    for i in range(20):
+        lr, tokens = opt.param_groups[0]["lr"], 2**40 + 3 * i
+        loss = step(torch.full((2, 3), i / 10), tokens)
+        want.append((i, {"loss": loss.item(), "lr": lr, "tokens": float(tokens), "warm": 1.0}))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert graphs() == 2, "one recompile makes the changing numbers dynamic"
     log.close()
     assert [(r.step, r.values) for r in sink.rows] == want
 
@@ -359,6 +389,39 @@ def test_reduce_overhead_steps_stay_consecutive_across_calls_rerecords_and_eager
     assert [r.values["loss"] for r in sink.rows[0:120:2]] == [float(v) for v in losses]
     assert all(set(r.values) == {"peak"} for r in sink.rows[1:120:2])
     assert sink.rows[-1].values == {"epoch": 1.0}
+    assert log.stats.lost == 0
+    torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_changing_numbers_recompile_once_and_log_exactly():
+    """A scheduler's lr and a step count read as Python numbers inside a reduce-overhead step:
+    one recompile, and every row holds that step's values (a CUDA graph that kept the value of
+    its capture would log it on every replay)."""
+    sink = Collect()
+    log = syncless.Logger(every=8, sinks=sink, capacity=256)
+    model = torch.nn.Linear(16, 1, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=60)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(x, seen):
+        loss = model(x).square().mean()
+        log(loss=loss, lr=opt.param_groups[0]["lr"], seen=seen)
+        return loss
+
+    counters.clear()
+    want = []
+    with torch.no_grad():
+        for i in range(40):
+            lr = opt.param_groups[0]["lr"]
+            loss = step(torch.full((4, 16), i / 40, device="cuda"), 1000 + 7 * i).clone()
+            want.append((i, lr, 1000.0 + 7 * i, loss))
+            sched.step()
+    assert graphs() == 2, "one recompile makes the changing numbers dynamic"
+    log.close()
+    assert [(r.step, r.values["lr"], r.values["seen"], r.values["loss"]) for r in sink.rows] == [
+        (i, lr, seen, float(loss)) for i, lr, seen, loss in want]
     assert log.stats.lost == 0
     torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 

@@ -12,11 +12,15 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   (steps, columns), so new values and metrics logged elsewhere never recompile; a new metric
   name inside the compiled region needs no eager call first: it gets its column when the op
   first runs. Dynamo's own rules still apply to what the user passes: an explicit step= int is
-  specialised at the first trace and made dynamic at the second value (one recompile). A
-  Python number that changes (a scheduler's lr passed in as a float) is a guarded constant of
-  the op, so every new value recompiles, up to Dynamo's recompile_limit, after which the
-  function runs uncompiled (Dynamo alone would make such a float dynamic at its first change,
-  in tensor math): log it outside the compiled function, or pass it in as a tensor.
+  specialised at the first trace and made dynamic at the second value (one recompile).
+* A Python number (lr=0.01, epoch=3) is, at a call site's first trace, a float argument of the
+  op: a constant of the graph, no kernel, guarded by Dynamo. One that changes (a scheduler's lr,
+  a token count) fails that guard once: the recompile traces the same site again, and a site
+  traced before gets its numbers as tensor math (`zeros + number`, one tiny kernel, captured in
+  the CUDA graph under reduce-overhead), in which Dynamo makes a changed number dynamic, as in
+  the user's own arithmetic. So a changing number costs one recompile, where a constant op
+  argument would recompile at every new value until Dynamo's recompile_limit and then run the
+  function uncompiled. (With automatic dynamic shapes off, Dynamo specialises every number.)
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
@@ -98,6 +102,7 @@ _sites: list[_Site] = []
 _keys: dict[tuple, int] = {}
 _by_site = _Tokens()
 _tokens: "weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_traced: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
 
 
 def _token(logger: Any, device: str) -> torch.Tensor:
@@ -127,6 +132,20 @@ def _number_device(logger_id: int, cuda: Optional[str]) -> str:
         return cuda
     logger = _loggers.get(logger_id)
     return "cpu" if logger is None else str(logger.device)
+
+
+@_trace_time
+def _traced_before(logger_id: int, names: tuple) -> bool:
+    """Trace time: was this call site (logger, names) traced before? Then this trace is most
+    likely a recompile, maybe for a number that changed: its numbers become tensor math."""
+    logger = _loggers.get(logger_id)
+    if logger is None:
+        return False                         # refused by _site, with its error
+    seen = _traced.setdefault(logger, set())
+    if names in seen:
+        return True
+    seen.add(names)
+    return False
 
 
 @_trace_time
@@ -228,8 +247,8 @@ def _traced_log():
     run before every call of the compiled code) and guards one object per cell. Python numbers
     go to the op as floats, graph constants, not as tensors made in the graph (a kernel each)."""
     op = _log_op
-    site_of, number_device, tokens = _site, _number_device, _by_site
-    Tensor, full, float64 = torch.Tensor, torch.full, torch.float64
+    site_of, number_device, tokens, traced_before = _site, _number_device, _by_site, _traced_before
+    Tensor, full, zeros, float64 = torch.Tensor, torch.full, torch.zeros, torch.float64
 
     def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
         if op is None:
@@ -238,6 +257,7 @@ def _traced_log():
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         names = tuple(metrics)
+        again = traced_before(id(logger), names)    # numbers as tensor math (see the top)
         values = []
         numbers = []
         kinds = []                                   # per name: a device, "number" or None
@@ -248,13 +268,14 @@ def _traced_log():
                 kinds.append(v.device)
                 if cuda is None and v.device.type == "cuda":
                     cuda = v.device
-            elif isinstance(v, (int, float)):        # bool too
+            elif isinstance(v, (int, float)) and not again:     # bool too
                 numbers.append(float(v))             # a guarded constant of the graph
                 kinds.append("number")
             else:
-                # Anything else (a NumPy number, a bad value): a graph value made by torch.full
-                # on the logger's device (a CPU op would make a CUDA graph skip), which refuses
-                # what is not a number.
+                # A number at a site traced before, or anything else (a NumPy number, a bad
+                # value): a graph value on the values' GPU, else the logger's device (a CPU op
+                # would make a CUDA graph skip): a number by tensor math, in which Dynamo can
+                # make it dynamic; the rest by torch.full, which refuses what is not a number.
                 values.append(v)
                 kinds.append(None)
         if None in kinds:
@@ -264,7 +285,10 @@ def _traced_log():
                 if k == "number":
                     continue
                 if k is None:
-                    values[j] = full((), values[j], dtype=float64, device=device)
+                    v = values[j]
+                    values[j] = (zeros((), dtype=float64, device=device) + v
+                                 if isinstance(v, (int, float)) else
+                                 full((), v, dtype=float64, device=device))
                     kinds[i] = values[j].device
                 j += 1
         index = site_of(id(logger), names, tuple(kinds))
