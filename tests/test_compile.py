@@ -193,40 +193,12 @@ def test_new_names_steps_and_eager_logging_do_not_recompile():
     assert got == want
 
 
-def test_a_changing_learning_rate_passed_as_a_tensor_compiles_once_and_logs_exactly():
-    """A number that changes every step (a scheduler's lr) passed in as a tensor is a graph
-    input: 12 values give one graph (as a float, two: see the next test), each row exact."""
-    sink = Collect()
-    log = syncless.Logger(every=4, sinks=sink)
-    model = torch.nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=12)
-
-    @torch.compile(fullgraph=True)
-    def step(x, lr):
-        loss = model(x).square().mean()
-        log(loss=loss, lr=lr)
-        return loss
-
-    counters.clear()
-    want = []
-    for i in range(12):
-        lr = sched.get_last_lr()[0]
-        loss = step(torch.full((2, 3), i / 10), torch.tensor(lr, dtype=torch.float64))
-        want.append((i, {"loss": loss.item(), "lr": lr}))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    assert graphs() == 1
-    log.close()
-    assert [(r.step, r.values) for r in sink.rows] == want
-
-
-def test_changing_python_numbers_recompile_once_and_log_exactly():
-    """A scheduler's lr read inside the compiled step (a float) and a token count (an int past
-    float32's range) change every step: one recompile (the second trace makes them dynamic, see
-    _compile), not one per value until the recompile limit, and every row exact."""
+@pytest.mark.parametrize("how", ["tensor", "numbers"])
+def test_a_changing_learning_rate_and_count_compile_at_most_twice_and_log_exactly(how):
+    """A scheduler's lr and a token count (an int past float32's range) change every step.
+    Passed in as tensors they are graph inputs: one graph. As Python numbers (the lr read
+    inside the compiled step): one recompile (the second trace makes them dynamic, see
+    _compile), not one per value until the recompile limit. Every row exact."""
     sink = Collect()
     log = syncless.Logger(every=8, sinks=sink)
     model = torch.nn.Linear(3, 1)
@@ -234,22 +206,25 @@ def test_changing_python_numbers_recompile_once_and_log_exactly():
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
 
     @torch.compile(fullgraph=True)
-    def step(x, tokens):
+    def step(x, lr, tokens):
         loss = model(x).square().mean()
-        log(loss=loss, lr=opt.param_groups[0]["lr"], tokens=tokens, warm=True)
+        log(loss=loss, lr=opt.param_groups[0]["lr"] if lr is None else lr, tokens=tokens,
+            warm=True)
         return loss
 
     counters.clear()
     want = []
     for i in range(20):
         lr, tokens = opt.param_groups[0]["lr"], 2**40 + 3 * i
-        loss = step(torch.full((2, 3), i / 10), tokens)
+        args = ((torch.tensor(lr, dtype=torch.float64), torch.tensor(tokens)) if how == "tensor"
+                else (None, tokens))
+        loss = step(torch.full((2, 3), i / 10), *args)
         want.append((i, {"loss": loss.item(), "lr": lr, "tokens": float(tokens), "warm": 1.0}))
         loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()
-    assert graphs() == 2, "one recompile makes the changing numbers dynamic"
+    assert graphs() == (1 if how == "tensor" else 2)
     log.close()
     assert [(r.step, r.values) for r in sink.rows] == want
 

@@ -16,11 +16,14 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
 * A Python number (lr=0.01, epoch=3) is, at a call site's first trace, a float argument of the
   op: a constant of the graph, no kernel, guarded by Dynamo. One that changes (a scheduler's lr,
   a token count) fails that guard once: the recompile traces the same site again, and a site
-  traced before gets its numbers as tensor math (`zeros + number`, one tiny kernel, captured in
-  the CUDA graph under reduce-overhead), in which Dynamo makes a changed number dynamic, as in
-  the user's own arithmetic. So a changing number costs one recompile, where a constant op
-  argument would recompile at every new value until Dynamo's recompile_limit and then run the
-  function uncompiled. (With automatic dynamic shapes off, Dynamo specialises every number.)
+  whose op has run before gets its numbers as tensor math (`zeros + number`, one tiny kernel),
+  in which Dynamo makes a changed number dynamic, as in the user's own arithmetic. So a
+  changing number costs one recompile, where a constant op argument would recompile at every
+  new value until Dynamo's recompile_limit and then run the function uncompiled. (With
+  automatic dynamic shapes off, Dynamo specialises every number.) Under reduce-overhead a
+  dynamic number is a host value, which a CUDA graph cannot replay: inductor splits the graph
+  around it (two partitions), the cost of any host number in a CUDA-graphed step; a number
+  that changes every step is cheaper logged by an eager log() after the compiled call.
 * The op declares one tensor mutated: a one-element token per (logger, device), made at trace
   time and marked a static address. A mutated input keeps the op alive through functionalization
   and dead-code elimination, keeps a logger's calls in program order, and, being static, lets
@@ -80,7 +83,8 @@ def track(logger: Any) -> None:
 # ---- call sites --------------------------------------------------------------------------------
 
 class _Site:
-    __slots__ = ("logger_id", "logger", "names", "numbers", "device", "host_tensors", "token")
+    __slots__ = ("logger_id", "logger", "names", "numbers", "device", "host_tensors", "token",
+                 "ran")
 
     def __init__(self, logger: Any, names: tuple, numbers: tuple, device: str,
                  host_tensors: bool, token: torch.Tensor):
@@ -91,6 +95,7 @@ class _Site:
         self.device = device
         self.host_tensors = host_tensors    # read at capture, replayed unchanged: refused there
         self.token = token
+        self.ran = False                    # has the op run (see _ran_before)
 
 
 class _Tokens:
@@ -102,7 +107,7 @@ _sites: list[_Site] = []
 _keys: dict[tuple, int] = {}
 _by_site = _Tokens()
 _tokens: "weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
-_traced: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+_ran: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()    # names whose op ran
 
 
 def _token(logger: Any, device: str) -> torch.Tensor:
@@ -135,17 +140,12 @@ def _number_device(logger_id: int, cuda: Optional[str]) -> str:
 
 
 @_trace_time
-def _traced_before(logger_id: int, names: tuple) -> bool:
-    """Trace time: was this call site (logger, names) traced before? Then this trace is most
-    likely a recompile, maybe for a number that changed: its numbers become tensor math."""
+def _ran_before(logger_id: int, names: tuple) -> bool:
+    """Trace time: has an op of this call site (logger, names) run? Then this trace is most
+    likely a recompile, maybe for a number that changed: its numbers become tensor math. Set
+    when the op runs, never while tracing, so a trace that Dynamo restarts takes the same path."""
     logger = _loggers.get(logger_id)
-    if logger is None:
-        return False                         # refused by _site, with its error
-    seen = _traced.setdefault(logger, set())
-    if names in seen:
-        return True
-    seen.add(names)
-    return False
+    return logger is not None and names in _ran.get(logger, ())
 
 
 @_trace_time
@@ -195,6 +195,9 @@ def _run(index: int, values: list, numbers: list, step: Optional[int]) -> None:
         logger = _loggers.get(site.logger_id)
         if logger is None:
             raise RuntimeError("syncless: the Logger this compiled code logs to no longer exists")
+    if not site.ran:
+        site.ran = True
+        _ran.setdefault(logger, set()).add(site.names)
     ring = logger._ring
     if ring is not None and (step is not None or site.host_tensors) and ring.capturing():
         raise RuntimeError(_CAPTURED_STEP if step is not None
@@ -247,7 +250,7 @@ def _traced_log():
     run before every call of the compiled code) and guards one object per cell. Python numbers
     go to the op as floats, graph constants, not as tensors made in the graph (a kernel each)."""
     op = _log_op
-    site_of, number_device, tokens, traced_before = _site, _number_device, _by_site, _traced_before
+    site_of, number_device, tokens, ran_before = _site, _number_device, _by_site, _ran_before
     Tensor, full, zeros, float64 = torch.Tensor, torch.full, torch.zeros, torch.float64
 
     def log(logger: Any, metrics: Mapping[str, Any], step: Any) -> None:
@@ -257,7 +260,7 @@ def _traced_log():
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         names = tuple(metrics)
-        again = traced_before(id(logger), names)    # numbers as tensor math (see the top)
+        again = ran_before(id(logger), names)       # numbers as tensor math (see the top)
         values = []
         numbers = []
         kinds = []                                   # per name: a device, "number" or None
