@@ -986,10 +986,11 @@ def test_doctor_finds_launch_bound_batch_1():
 
 @pytest.mark.cuda
 def test_clean_loop_gets_no_finding():
-    # Four workers: two made an 8-MB batch each 22 ms on the H200's host on a slow day, one per
-    # 11 ms against a step of 10.9 ms, and the doctor rightly found 1.5% starvation.
+    # Batches of 2 MB (x and y of 256 features), four workers: batches of 8 MB made a worker take
+    # 22 ms (two workers) to 53 ms (four) a batch on the H200's host on slow days, against a step
+    # of 10.9 ms, and the doctor rightly found the loop starved (1.5% and 18% of the step).
     torch.manual_seed(0)
-    n, dim, batch = 16 * 1024, 1024, 1024
+    n, dim, batch = 16 * 1024, 256, 1024
     data = TensorDataset(torch.randn(n, dim), torch.randn(n, dim))
     loader = DataLoader(data, sampler=BatchSampler(RandomSampler(data), batch, drop_last=True),
                         batch_size=None, num_workers=4, pin_memory=True, persistent_workers=True)
