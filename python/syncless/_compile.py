@@ -248,7 +248,8 @@ def _traced_log():
     reads no global of this module (Dynamo would then reach this module both as the logger's
     `_compile` and under its own name, and guard that they are one object with a Python lambda
     run before every call of the compiled code) and guards one object per cell. Python numbers
-    go to the op as floats, graph constants, not as tensors made in the graph (a kernel each)."""
+    go to the op as floats, graph constants, not as tensors made in the graph (a kernel each),
+    until the site's op has run (see the top)."""
     op = _log_op
     site_of, number_device, tokens, ran_before = _site, _number_device, _by_site, _ran_before
     Tensor, full, zeros, float64 = torch.Tensor, torch.full, torch.zeros, torch.float64
@@ -275,7 +276,7 @@ def _traced_log():
                 numbers.append(float(v))             # a guarded constant of the graph
                 kinds.append("number")
             else:
-                # A number at a site traced before, or anything else (a NumPy number, a bad
+                # A number at a site whose op has run, or anything else (a NumPy number, a bad
                 # value): a graph value on the values' GPU, else the logger's device (a CPU op
                 # would make a CUDA graph skip): a number by tensor math, in which Dynamo can
                 # make it dynamic; the rest by torch.full, which refuses what is not a number.
