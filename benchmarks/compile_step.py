@@ -4,7 +4,7 @@
 
 Sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
 on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
-(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Six
+(then loss.backward(), whose compiled graph is CUDA-graphed too, and a foreach SGD step). Seven
 variants of the compiled forward, each with its own model copy and Logger:
   no log           the forward and loss alone: the floor
   no log, again    a second copy of the floor (its own model copy and compiled function):
