@@ -41,7 +41,9 @@ thread's CPU time per row (it shares the GIL with the training thread), all of i
 spent inside Delivery._decode (waiting for the copy, then making the rows). The host log()
 calls of a variant (Logger.stats.steps) show whether the gather was replayed inside the CUDA
 graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are
-counted by torch._dynamo.explain on a copy of each forward. Every logged row is checked: steps
+counted by torch._dynamo.explain on a copy of each forward; the Dynamo guards that each call
+runs before the graph are timed apart (µs per check). Each variant's forward has a code object
+of its own (own_code): one compiled function, as in a user's script. Every logged row is checked: steps
 0..n-1 in order, none lost, and the last row's loss equal to the last step's.
 
 Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
@@ -58,6 +60,7 @@ import os
 import random
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -104,10 +107,10 @@ def make_model(device, width, depth):
     return torch.nn.Sequential(*layers).to(device)
 
 
-def make_forward(model, log, how):
-    """The function torch.compile sees: forward + loss, with log() as `how` says."""
+def make_forward(model, log, name):
+    """The function torch.compile sees: forward + loss, with log() as the variant says."""
     eager_log = torch.compiler.disable(lambda **kw: log(**kw))
-    how = "no log" if how == NO_LOG_AGAIN else how
+    how = "no log" if name == NO_LOG_AGAIN else name
 
     def forward(x, y):
         logits = model(x)
@@ -121,7 +124,21 @@ def make_forward(model, log, how):
         (eager_log if how == "graph break" else log)(loss=loss, acc=acc, scale=scale, lr=0.01)
         return loss
 
-    return forward
+    return own_code(forward, name)
+
+
+def own_code(fn, name):
+    """fn with a code object of its own. Dynamo keeps its compiled graphs per code object and,
+    since parameters are graph inputs, guards on a module's structure, not its identity: the
+    closures of one function, compiled apart, would share one cache (walked at each call) and
+    the two no-log copies one graph, whose cudagraph tree then holds one root per copy, tried
+    in order at every call (measured: the second copy +4% on the inference step, the A/A bias
+    of compile_step-aa.md). A user's step is one compiled function; so is each variant here."""
+    tag = "".join(c if c.isalnum() else "_" for c in name)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}",
+                               co_qualname=f"{fn.__qualname__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
 
 
 def graph_breaks(model, how, x, y):
@@ -247,6 +264,30 @@ def period(variants, order, batches, sync, turns):
             {name: t / n * 1e6 for name, t in cpu.items()})
 
 
+def guard_us(variant, x, y, calls=2000, repeats=7):
+    """µs per check of the Dynamo guards that every call of the variant's compiled forward
+    runs before its graph (private API: None where it is not there)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        fn = variant.fn._torchdynamo_orig_callable
+        entries = _debug_get_cache_entry_list(fn.__code__)
+        frame = {"x": x, "y": y, **{n: c.cell_contents for n, c in
+                                    zip(fn.__code__.co_freevars, fn.__closure__ or ())}}
+        with torch.set_grad_enabled(variant.train):
+            check = entries[0].guard_manager.check
+            if not check(frame):
+                return None
+            best = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    check(frame)
+                best.append((time.perf_counter() - t0) / calls * 1e6)
+        return min(best)
+    except Exception:                                    # private API: report, do not fail
+        return None
+
+
 def tree_state(device):
     """cudagraph trees' own counters: graphs recorded, warm-up runs, slow-path falls."""
     if device.type != "cuda":
@@ -264,7 +305,10 @@ def tree_state(device):
     return {"recorded": nxt(manager.graph_counter),
             "warmups": -1 - nxt(manager.warmup_node_counter),
             "fast_path_fails": getattr(manager, "debug_fail_counter", None),
-            "checkpoints": getattr(manager, "debug_checkpointing_counter", None)}
+            "checkpoints": getattr(manager, "debug_checkpointing_counter", None),
+            # roots per compiled function: more than one is tried in order at every call
+            "most_roots_per_function": max((len(r) for r in manager.roots.values()),
+                                           default=0)}
 
 
 def section(kind, base, batches, device, mode, rounds, sync, train, turns):
@@ -284,6 +328,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
         skips[name] = counters["inductor"]["cudagraph_skips"] - before
         if v.log is not None:
             v.log.flush()                                # rows of the warm-up: not timed
+    guards = {name: guard_us(v, *batches[0]) for name, v in variants.items()}
     trees_before = tree_state(device)
     rng = random.Random(0)
     per_step = {name: [] for name in names}
@@ -332,6 +377,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
                              "flush_call_us": summarize([t * 1e6 for t in v.flush_s])
                              if v.flush_s else None,
                              "graph_breaks": breaks[name][0], "graphs": breaks[name][1],
+                             "guard_check_us": guards[name],
                              "cudagraph_skips": skips[name] if device.type == "cuda" else None}
         if v.log is not None:
             captured = v.log._gen is not None and v.log._gen.captured
@@ -363,7 +409,7 @@ def section_table(results, cuda):
                f"{pct(r['ratio_to_metrics']['median'], 2)} {pct_ci(r['ratio_to_metrics_ci95'])}",
                num(r["cpu_us_per_step"]["median"]),
                "" if d is None else num(d),
-               r["graph_breaks"], r["graphs"]]
+               r["graph_breaks"], r["graphs"], num(r.get("guard_check_us"))]
         if cuda:
             row.append(r["cudagraph_skips"])
         row.append("" if c is None else
@@ -373,7 +419,8 @@ def section_table(results, cuda):
         rows.append(row)
     return md_table(["variant", "µs per step (median)", "vs no log", "95% CI",
                      "vs metrics returned (95% CI)", "training thread CPU µs per step",
-                     "delivery thread CPU µs per row", "graph breaks", "graphs"]
+                     "delivery thread CPU µs per row", "graph breaks", "graphs",
+                     "guard check µs per call (min)"]
                     + (["cudagraph skips"] if cuda else [])
                     + ["rows (delivered/steps, host log() calls)"], rows)
 
@@ -507,9 +554,6 @@ def main(argv=None):
     for k in kinds:
         if k not in SECTIONS:
             p.error(f"unknown section {k!r}; choose from {', '.join(SECTIONS)}")
-    for key in ("recompile_limit", "cache_size_limit"):   # one code object, many closures
-        if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, 64)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     argv_used = sys.argv[1:] if argv is None else argv
     env = env_info(device, ["compile_step", *argv_used])
