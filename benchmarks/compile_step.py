@@ -1,6 +1,7 @@
 """log() inside a compiled training step: the custom op against no logging and a graph break.
 
-    python benchmarks/compile_step.py [--quick] [--device cuda|cpu] [--out [DIR]]
+    python benchmarks/compile_step.py [--quick] [--device cuda|cpu] [--sections S] [--variants V]
+                                      [--turns N] [--rounds N] [--out [DIR]]
 
 Sections, each an MLP's forward and loss compiled with torch.compile (mode="reduce-overhead"
 on a GPU): an inference step (no_grad: the whole step is one CUDA graph) and a training step
@@ -78,6 +79,8 @@ CALLER = "log() inside, delivery='caller'"
 NO_LOG_AGAIN = "no log, again"
 NAMES = ["no log", NO_LOG_AGAIN, "metrics returned", "log() inside", CALLER, DELIVERED_APART,
          "graph break"]
+KEYS = dict(zip(("nolog", "again", "returned", "inside", "caller", "apart", "break"), NAMES))
+names = NAMES                             # --variants: the variants of this run ("no log" first)
 LOGGING = ("log() inside", CALLER, DELIVERED_APART, "graph break")
 FLUSHED = ("log() inside", CALLER)        # flush(wait=False) mid-period, delivered in the loop
 
@@ -315,7 +318,6 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
     """One interleaved comparison of the variants: a round is one flush period of each, in
     `turns` interleaved turns."""
     from torch._dynamo.utils import counters
-    names = NAMES
     with torch.set_grad_enabled(train):
         breaks = {name: graph_breaks(base, name, *batches[0]) for name in names}
     for name, (b, g) in breaks.items():
@@ -365,7 +367,8 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
         s = summarize(per_step[name])
         ratios = paired_ratios(per_step, name, "no log")
         ci = median_ci(ratios)
-        to_metrics = paired_ratios(per_step, name, "metrics returned")
+        to_metrics = (paired_ratios(per_step, name, "metrics returned")
+                      if "metrics returned" in names else [])
         ci_metrics = median_ci(to_metrics)
         r = results[name] = {"step_us": s, "ratio_to_no_log": summarize(ratios),
                              "ratio_ci95": list(ci) if ci else None,
@@ -389,23 +392,25 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
                          "last_loss_exact": v.sink.last is not None
                          and v.sink.last.values["loss"] == v.last_loss
                          and v.sink.last.values["lr"] == 0.01}
-    to_thread = paired_ratios(per_step, CALLER, "log() inside")
-    ci_thread = median_ci(to_thread)
-    results[CALLER]["ratio_to_thread"] = summarize(to_thread)
-    results[CALLER]["ratio_to_thread_ci95"] = list(ci_thread) if ci_thread else None
+    if CALLER in names and "log() inside" in names:
+        to_thread = paired_ratios(per_step, CALLER, "log() inside")
+        ci_thread = median_ci(to_thread)
+        results[CALLER]["ratio_to_thread"] = summarize(to_thread)
+        results[CALLER]["ratio_to_thread_ci95"] = list(ci_thread) if ci_thread else None
     return results
 
 
 def section_table(results, cuda):
     rows = []
-    for name in NAMES:
+    for name in names:
         r = results[name]
         c = r.get("rows")
         d = r.get("delivery_cpu_us_per_row")
         row = [name, num(r["step_us"]["median"]),
                "1" if name == "no log" else pct(r["ratio_to_no_log"]["median"], 2),
                "" if name == "no log" else pct_ci(r["ratio_ci95"]),
-               "" if name in ("no log", NO_LOG_AGAIN, "metrics returned") else
+               "" if name in ("no log", NO_LOG_AGAIN, "metrics returned")
+               or "metrics returned" not in names else
                f"{pct(r['ratio_to_metrics']['median'], 2)} {pct_ci(r['ratio_to_metrics_ci95'])}",
                num(r["cpu_us_per_step"]["median"]),
                "" if d is None else num(d),
@@ -506,25 +511,43 @@ def write_out(out, env, args_used, sections, eager, verdict, tables, etable, mod
 
 
 def section_verdict(kind, res):
-    inside, apart, brk = res["log() inside"], res[DELIVERED_APART], res["graph break"]
-    caller, again = res[CALLER], res[NO_LOG_AGAIN]
-    return (f"{kind}: log() inside {pct(inside['ratio_to_no_log']['median'], 2)} vs no logging, "
-            f"95% CI {pct_ci(inside['ratio_ci95'])} (target: within 1%); the floor against "
-            f"a second copy of itself {pct(again['ratio_to_no_log']['median'], 2)}, 95% CI "
-            f"{pct_ci(again['ratio_ci95'])}; with "
-            f"delivery='caller' {pct(caller['ratio_to_no_log']['median'], 2)}, 95% CI "
-            f"{pct_ci(caller['ratio_ci95'])} ({pct(caller['ratio_to_thread']['median'], 2)} vs "
-            f"the delivery thread, 95% CI {pct_ci(caller['ratio_to_thread_ci95'])}), rows "
-            f"exact={caller['rows']['steps_exact'] and caller['rows']['last_loss_exact']}; "
-            f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed and "
-            f"returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}; the op without the "
-            f"rows' delivery {pct(apart['ratio_to_no_log']['median'], 2)}, 95% CI "
-            f"{pct_ci(apart['ratio_ci95'])}; delivery thread "
-            f"{num(inside['delivery_cpu_us_per_row'])} µs CPU per row; "
-            f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} host log() "
-            f"calls for {inside['rows']['steps_taken']} rows; graph-breaking log() "
-            f"{pct(brk['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(brk['ratio_ci95'])}, "
-            f"{brk['graph_breaks']} graph break(s)")
+    """One line: each variant of the run against no logging, with the checks that matter."""
+    def vs(name):
+        r = res[name]
+        return f"{pct(r['ratio_to_no_log']['median'], 2)}, 95% CI {pct_ci(r['ratio_ci95'])}"
+
+    def exact(name):
+        c = res[name]["rows"]
+        return f"rows exact={c['steps_exact'] and c['last_loss_exact']}, lost={c['lost']}"
+
+    parts = []
+    if "log() inside" in res:
+        inside = res["log() inside"]
+        parts.append(f"log() inside {vs('log() inside')} vs no logging (target: within 1%), "
+                     f"{inside['graph_breaks']} graph breaks, {inside['rows']['host_calls']} "
+                     f"host log() calls for {inside['rows']['steps_taken']} rows, "
+                     f"{exact('log() inside')}")
+    if NO_LOG_AGAIN in res:
+        parts.append(f"the floor against a second copy of itself {vs(NO_LOG_AGAIN)}")
+    if CALLER in res:
+        caller = res[CALLER]
+        to_thread = (f" ({pct(caller['ratio_to_thread']['median'], 2)} vs the delivery "
+                     f"thread, 95% CI {pct_ci(caller['ratio_to_thread_ci95'])})"
+                     if "ratio_to_thread" in caller else "")
+        parts.append(f"with delivery='caller' {vs(CALLER)}{to_thread}, {exact(CALLER)}")
+    if "log() inside" in res and "metrics returned" in res:
+        inside = res["log() inside"]
+        parts.append(f"{pct(inside['ratio_to_metrics']['median'], 2)} vs the metrics computed "
+                     f"and returned, 95% CI {pct_ci(inside['ratio_to_metrics_ci95'])}")
+    if DELIVERED_APART in res:
+        parts.append(f"the op without the rows' delivery {vs(DELIVERED_APART)}")
+    if "log() inside" in res:
+        parts.append(f"delivery thread {num(res['log() inside']['delivery_cpu_us_per_row'])} "
+                     "µs CPU per row")
+    if "graph break" in res:
+        parts.append(f"graph-breaking log() {vs('graph break')}, "
+                     f"{res['graph break']['graph_breaks']} graph break(s)")
+    return f"{kind}: " + "; ".join(parts)
 
 
 def main(argv=None):
@@ -544,9 +567,18 @@ def main(argv=None):
     p.add_argument("--flush-every", type=int, default=FLUSH_EVERY,
                    help=f"steps per flush period (default {FLUSH_EVERY}): a round's block of "
                         "each variant, and how often the logging variants flush")
+    p.add_argument("--variants", default=",".join(KEYS),
+                   help="comma-separated, of " + ", ".join(f"{k} ({v})" for k, v in KEYS.items())
+                        + "; no log always runs. Fewer variants put a turn of no log closer in "
+                          "time to every other variant's")
     args = p.parse_args(argv)
-    global flush_every
+    global flush_every, names
     flush_every = args.flush_every
+    chosen = [k for k in args.variants.split(",") if k]
+    for k in chosen:
+        if k not in KEYS:
+            p.error(f"unknown variant {k!r}; choose from {', '.join(KEYS)}")
+    names = [n for n in NAMES if n == "no log" or n in {KEYS[k] for k in chosen}]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     mode = "reduce-overhead" if cuda else None
