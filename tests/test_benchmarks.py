@@ -233,3 +233,18 @@ def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path)
                                                      "log() inside, delivery='caller'"}
     assert whole["no log"]["median"] > 0
     assert data["flush_pieces_us"]["flush(wait=False), whole"]["calls"] >= 2
+
+
+def test_compile_user_gpt_logs_from_inside_the_compiled_model_exactly(tmp_path):
+    """benchmarks/compile_user.py --quick (CPU inductor): a nanoGPT-style model, compiled, logs
+    loss and accuracy inside its forward with no graph break, and every delivered row equals
+    that step's loss and accuracy, as does logging in the loop; each variant is its own graph."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.compile_user", "--quick", "--device",
+                        "cpu", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "compile_user-default.json").read_text())["results"]
+    inside, loop = res["log() in the model"], res["log() in the loop"]
+    assert inside["graph_breaks"] == 0 and inside["graphs"] == 1
+    for check in (inside["check"], loop["check"]):
+        assert check["exact"] and check["rows"] == check["steps"] == 30 and check["lost"] == 0
