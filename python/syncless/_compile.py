@@ -42,8 +42,10 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   assigned, and what needs the current step from the host (attach() or timer(log=...) without
   step=) raises and asks for step=. An explicit step= or a CPU tensor under capture would be
   replayed unchanged, so both are refused there with an error.
-* What a replay costs is measured, not assumed: benchmarks/results/compile_step.md (and the
-  breakdown in compile_diag.md). The token is a static input (its address checked in C++ with
+* What a replay costs is measured, not assumed: benchmarks/results/compile_user-*.md (a
+  nanoGPT-style GPT logging inside its forward: +0.05% under reduce-overhead),
+  compile_step-own-code-*.md and compile_step-train-4v.md (MLP steps), and the breakdown in
+  compile_diag.md. The token is a static input (its address checked in C++ with
   the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
   output; the op's share is its gather kernel, the token and the guards; the larger share is
   the rows' delivery on the logger's thread, which shares the GIL with the training thread:
