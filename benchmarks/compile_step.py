@@ -44,8 +44,8 @@ calls of a variant (Logger.stats.steps) show whether the gather was replayed ins
 graph (a few calls: warm-up and recording) or ran on the host every step. Graph breaks are
 counted by torch._dynamo.explain on a copy of each forward; the Dynamo guards that each call
 runs before the graph are timed apart (µs per check). Each variant's forward has a code object
-of its own (own_code): one compiled function, as in a user's script. Every logged row is checked: steps
-0..n-1 in order, none lost, and the last row's loss equal to the last step's.
+of its own (own_code): one compiled function, as in a user's script. Every logged row is
+checked: steps 0..n-1 in order, none lost, and the last row's loss equal to the last step's.
 
 Also the eager per-call cost: log.log(4 CUDA metrics) (the direct C call, with the compile hook
 in front of it), the same row through the custom op called eagerly (the dispatcher's cost), and

@@ -22,10 +22,10 @@ compile_step.own_code), taking turns of --steps steps in interleaved rounds:
                       Under reduce-overhead the loop calls log.flush(wait=False) every 100
                       steps, as the README tells users of CUDA graphs to
 Per variant: ms per step (median over rounds), the per-round ratio to no logging with the 95% CI
-of its median, syncs per step (torch's sync-debug mode over 110 steps, a flush included), graph breaks
-(torch._dynamo.explain on the compiled model), and, in a run apart with every step's loss and
-logits kept, whether every delivered row equals that step's values (steps consecutive, none
-lost). --out writes compile_user-<mode>.json/.md (default directory: benchmarks/results).
+of its median, syncs per step (torch's sync-debug mode over 110 steps, a flush included), graph
+breaks (torch._dynamo.explain on the compiled model), and, in a run apart with every step's loss
+and accuracy kept, whether every delivered row equals that step's values (steps consecutive,
+none lost). --out writes compile_user-<mode>.json/.md (default directory: benchmarks/results).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ VARIANTS = ("no logging", ".item() every step", "log() in the loop", "log() in t
 FLUSH_EVERY = 100
 
 
-# ---- the model, as nanoGPT writes it --------------------------------------------------------------
+# ---- the model, as nanoGPT writes it -------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
@@ -154,7 +154,7 @@ def markov_batches(vocab, block, batch, n, device, seed=0):
     return [(c[:, :-1].contiguous().to(device), c[:, 1:].contiguous().to(device)) for c in chunks]
 
 
-# ---- a variant: its model, optimizer, logger and training step ------------------------------------
+# ---- a variant: its model, optimizer, logger and training step -----------------------------------
 
 class Rows:
     def __init__(self):
