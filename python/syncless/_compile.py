@@ -53,7 +53,8 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   on a 147-us inference step, the same when the thread takes the GIL once per flush instead of
   twice), the rows themselves ~0.3 us each (hotpath_probe.txt, compile_step-flush1000.md).
   Logger(delivery="caller") delivers them at the next flush on the training thread instead:
-  1.6% faster than the thread on that step (compile_step.md), no different on the training one.
+  0.8-1.6% faster than the thread on that step (compile_step.md, compile_step-own-code-infer.md),
+  no difference resolved on the training one.
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
