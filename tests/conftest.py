@@ -13,13 +13,20 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (CI runs them; the quick suite does not)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = not config.getoption("--run-slow") and pytest.mark.skip(
+        reason="slow: run with --run-slow")
+    no_gpu = not HAS_CUDA and pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if no_gpu and "cuda" in item.keywords:
+            item.add_marker(no_gpu)
+        elif slow and "slow" in item.keywords:
+            item.add_marker(slow)
 
 
 @pytest.fixture(params=DEVICES)
