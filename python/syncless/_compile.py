@@ -44,17 +44,18 @@ hands over to `log()` here, which puts one custom op, `syncless::log`, in the gr
   replayed unchanged, so both are refused there with an error.
 * What a replay costs is measured, not assumed: benchmarks/results/compile_user-*.md (a
   nanoGPT-style GPT logging inside its forward: +0.05% under reduce-overhead),
-  compile_step-own-code-*.md and compile_step-train-4v.md (MLP steps), and the breakdown in
+  compile_step-infer.md and compile_step-train.md (MLP steps), and the breakdown in
   compile_diag.md. The token is a static input (its address checked in C++ with
   the parameters'), its mutation stays in the graph (no copy-back) and the op adds no graph
   output; the op's share is its gather kernel, the token and the guards; the larger share is
   the rows' delivery on the logger's thread, which shares the GIL with the training thread:
-  mostly a fixed cost per flush, paid in the two steps after it (flush_profile-*.md: ~370 us
-  on a 147-us inference step, the same when the thread takes the GIL once per flush instead of
-  twice), the rows themselves ~0.3 us each (hotpath_probe.txt, compile_step-flush1000.md).
-  Logger(delivery="caller") delivers them at the next flush on the training thread instead:
-  0.8-1.6% faster than the thread on that step (compile_step.md, compile_step-own-code-infer.md),
-  no difference resolved on the training one.
+  mostly a fixed cost per flush, paid in the two steps after it
+  (archive/flush_profile-infer-804c223.md: ~370 us on a 147-us inference step, the same when the
+  thread takes the GIL once per flush instead of twice), the rows themselves ~0.3 us each
+  (hotpath_probe.txt, archive/compile_step-flush1000.md). Logger(delivery="caller") delivers them
+  at the next flush on the training thread instead: 0.8-1.6% faster than the thread on that step
+  (archive/compile_step-eb9cc3f.md, compile_step-infer.md), no difference resolved on the
+  training one.
 * A row's time is the host time when the op ran, as in eager code; a row written by a CUDA
   graph replay had no host call, so its time is that of the flush that found it.
 
