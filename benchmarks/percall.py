@@ -78,7 +78,7 @@ WATCH = {                 # µs per step of a one-kernel step; doctor_overhead's
     "watch, no GPU": "watch(gpu=False): the Python side alone",
 }
 CONTROLS = ("floor", "event_pair", "event_pair_new", "sync_clock", "clock", "watch/bare")
-PUBLISHED = {             # README, 2026-11-30 (log_overhead.py, timer_overhead.py, doctor_overhead.py)
+PUBLISHED = {             # 11-30: results/archive/{log,timer}_overhead.md, doctor_overhead.json
     "syncless@1": 6.19, "syncless@4": 4.93, "syncless@16": 7.64, "syncless@64": 11.39,
     "floor@4": 6.11, "timer": 6.34, "timer_named": 10.06, "event_pair": 14.43,
     "event_pair_new": 18.34, "watch/watch": 1.45, "watch/watch every step": 8.33,
