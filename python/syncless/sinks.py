@@ -42,11 +42,12 @@ def _spawning() -> bool:
     return mp is not None and bool(getattr(mp.current_process(), "_inheriting", False))
 
 
-def _why_gone(path: str) -> str:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"its directory {parent} was deleted during the run"
-    return f"{path} was deleted during the run"
+def _dir_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class _File:
@@ -70,17 +71,15 @@ class _File:
         self.path = path
         self.regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
 
-    def gone(self) -> str | None:
-        """Why rows written now would reach no one (the file was deleted while open, maybe with
-        its directory), or None. One fstat, once per window."""
+    def unlinked(self) -> bool:
+        """Was the file deleted while open (rows written now would reach no one)? One fstat,
+        once per window."""
         if self.fd < 0 or not self.regular:
-            return None
+            return False
         try:
-            if os.fstat(self.fd).st_nlink > 0:
-                return None
+            return os.fstat(self.fd).st_nlink == 0
         except OSError:
-            return None
-        return _why_gone(self.path)
+            return False
 
     def write(self, data: bytes, rows: list) -> None:
         """Write `data` (the bytes of `rows`, named in the error if it fails) or nothing."""
@@ -142,6 +141,7 @@ class _FileSink:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         self._file: _File | None = None
+        self._dir: tuple[int, int] | None = None      # the directory of `path` when opened
         self._closed = False
         self._key: str | None = None
         self._inherited = _spawning()
@@ -184,14 +184,24 @@ class _FileSink:
         if self._closed:
             raise ValueError(f"{self.path}: the sink is closed")
         self._file = _File(self.path, truncate)
+        self._dir = _dir_id(self.path)
         return self._file
+
+    def _why_gone(self, lost: str) -> str:
+        """What happened to the file `lost` (path or one of its parts), found deleted."""
+        if _dir_id(self.path) != self._dir:
+            return f"its directory {os.path.dirname(os.path.abspath(self.path))} was deleted " \
+                   "during the run"
+        if not os.path.lexists(self.path):
+            return f"{self.path} was deleted during the run"
+        return f"{lost} was deleted during the run"
 
     def _reopened(self, rows: list) -> str | None:
         """If the open file was deleted (its directory too, maybe), forget it, so the next write
         starts the file afresh; then say what happened for the error raised after that write."""
-        why = self._file.gone() if self._file is not None else None
-        if why is None:
+        if self._file is None or not self._file.unlinked():
             return None
+        why = self._why_gone(self._file.path)
         self._file.close()
         self._file = None
         return (f"{self.kind} {self.path}: {why}, and the rows written before step "
@@ -304,7 +314,7 @@ class CSV(_FileSink):
         self._known: set[str] = set()
         self._parts: list[tuple[str, int, int]] = []   # (path, columns, header bytes)
         self._header: int | None = None                # columns in the current header on disk
-        self._dir: str | None = None                   # the folder of parts, once there is one
+        self._folder: str | None = None                # the folder of parts, once there is one
 
     @property
     def files(self) -> list[str]:
@@ -337,7 +347,7 @@ class CSV(_FileSink):
             return
         lost = self._reopened(rows)
         if lost:                             # the table starts again, with every column
-            self._parts, self._header, self._dir = [], None, None
+            self._parts, self._header, self._folder = [], None, None
         new: dict[str, None] = {}                       # ordered, O(1) membership
         seen = self._known
         for r in rows:
@@ -371,11 +381,12 @@ class CSV(_FileSink):
         if not self._file.regular:
             self._header = None              # a stream: the wider header is the next line
             return
-        if self._dir is None:
+        if self._folder is None:
             parent, name = os.path.split(self.path)
             stamp = time.strftime("%Y%m%dT%H%M%S")
-            self._dir = tempfile.mkdtemp(prefix=f".{name}.syncless-{stamp}-", dir=parent or ".")
-        part = _File(os.path.join(self._dir, f"{len(self._parts)}.csv"), truncate=True,
+            self._folder = tempfile.mkdtemp(prefix=f".{name}.syncless-{stamp}-",
+                                            dir=parent or ".")
+        part = _File(os.path.join(self._folder, f"{len(self._parts)}.csv"), truncate=True,
                      exclusive=True)
         self._file.close()
         self._file, self._header = part, None
@@ -403,11 +414,13 @@ class CSV(_FileSink):
         the parts and their folder. On failure the parts stay and the OSError says where."""
         missing = [p for p, _, _ in self._parts if not os.path.lexists(p)]
         if missing:
+            why = self._why_gone(missing[0])
             kept = [p for p, _, _ in self._parts if p not in missing]
-            raise OSError(errno.ENOENT, f"CSV {self.path}: {_why_gone(missing[0])}, so its "
-                          f"parts cannot be merged; the rows written to {', '.join(missing)} "
-                          "went with it" + (f"; the others are in {', '.join(kept)} (each a "
-                                            "complete CSV)" if kept else ""))
+            lost = "every row went with it" if why.startswith("its directory") else \
+                f"the rows written to {', '.join(missing)} went with it"
+            raise OSError(errno.ENOENT, f"CSV {self.path}: {why}, so its parts cannot be "
+                          f"merged; {lost}" + (f"; the others are in {', '.join(kept)} (each "
+                                               "a complete CSV)" if kept else ""))
         target = os.path.realpath(self.path)
         folder, name = os.path.split(target)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".syncless-merge", dir=folder)
@@ -445,7 +458,7 @@ class CSV(_FileSink):
             os.unlink(path)
         self._parts = self._parts[:1]
         with contextlib.suppress(OSError):   # left in place if anyone put a file in it
-            os.rmdir(self._dir)
+            os.rmdir(self._folder)
 
 
 class Print:
