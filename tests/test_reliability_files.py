@@ -253,3 +253,188 @@ def test_run_directory_deleted_before_the_merge(tmp_path, caplog):
            "cannot be merged; every row went with it" in msg
     assert "is still in" not in msg and "syncless-" not in msg
     assert log.stats.sink_errors == 1 and not run.exists()
+
+
+# ---- copies ---------------------------------------------------------------------------------------
+
+def refused(fn):
+    with pytest.raises(TypeError) as info:
+        fn()
+    text = str(info.value)
+    assert text.startswith("syncless.Logger cannot be copied or pickled")
+    assert "cannot pickle '_thread.lock'" not in text
+    return text
+
+
+class Net(torch.nn.Module):
+    def __init__(self, log):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.log = log
+
+
+def test_copies_and_pickles_of_a_logger_are_refused_and_it_goes_on(tmp_path):
+    """copy.copy used to share the queue but not the steps ([0, 1, 1, 0, 1, 1, 2]); deepcopy and
+    pickle failed on a lock. Each is a TypeError naming the Logger and the fix, and the Logger
+    keeps logging at the right steps afterwards."""
+    got = Collect()
+    with syncless.Logger(every=2, sinks=[got]) as log:
+        log(a=0.0)
+        attempts = [lambda: copy.copy(log), lambda: copy.deepcopy(log),
+                    lambda: torch.save(Net(log), tmp_path / "net.pt")]
+        attempts += [lambda p=p: pickle.dumps(log, protocol=p)
+                     for p in range(pickle.HIGHEST_PROTOCOL + 1)]
+        for fn in attempts:
+            assert "Share the one Logger instead of copying it" in refused(fn)
+            log(a=float(log.last_step + 1))
+    assert got.rows == [(s, {"a": float(s)}) for s in range(len(attempts) + 1)]
+
+
+def test_deepcopy_of_a_model_holding_a_logger_names_it_and_the_memo_fix_shares_it():
+    """An EMA copy (AveragedModel deep-copies the model) names the attribute; the fix the error
+    gives, copy.deepcopy(model, {id(log): log}), copies the weights and keeps the one Logger."""
+    got = Collect()
+    with syncless.Logger(every=1, sinks=[got]) as log:
+        model = Net(log)
+        text = refused(lambda: torch.optim.swa_utils.AveragedModel(model))
+        assert "It is Net.log, being deep-copied." in text
+        assert "copy.deepcopy(model, {id(log): log})" in text
+        assert "It is the value of 'log' in" in refused(lambda: copy.deepcopy({"log": log}))
+        ema = copy.deepcopy(model, {id(log): log})
+        assert ema.log is log and ema.lin.weight is not model.lin.weight
+        assert torch.equal(ema.lin.weight, model.lin.weight)
+        ema.log(loss=1.0)
+        model.log(loss=2.0)
+    assert got.rows == [(0, {"loss": 1.0}), (1, {"loss": 2.0})]
+
+
+LIGHTNING_SCRIPT = """
+    import json, sys
+    import torch
+    import lightning as L
+    import syncless
+
+    IGNORE = sys.argv[1:]
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self, lr=0.1, metrics=None):
+            super().__init__()
+            self.save_hyperparameters(ignore=IGNORE)
+            self.metrics = metrics
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, i):
+            loss = self.lin(batch).pow(2).mean()
+            self.metrics(loss=loss.detach(), step=self.global_step)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+    torch.manual_seed(0)
+    log = syncless.Logger(every=2)
+    try:
+        model = Tiny(metrics=log)
+    except TypeError as exc:
+        log.close()
+        print(json.dumps({"error": str(exc)}))
+        sys.exit(0)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model, torch.utils.data.DataLoader(torch.randn(8, 2), batch_size=2))
+    trainer.save_checkpoint("tiny.ckpt")
+    log.close()
+    ckpt = torch.load("tiny.ckpt", weights_only=False)
+    print(json.dumps({"hparams": dict(model.hparams), "saved": dict(ckpt["hyper_parameters"]),
+                      "steps": log.stats.steps, "delivered": log.stats.delivered}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ignore", [[], ["metrics"]], ids=["plain", "ignored"])
+def test_lightning_save_hyperparameters_with_a_logger_argument(tmp_path, ignore):
+    """Real Lightning, CPU: save_hyperparameters() with a Logger passed to __init__ fails at
+    construction (not at the first checkpoint, hours later) with the exact call to write;
+    with that call, fit and checkpoint work and every step is logged."""
+    out = run_script(tmp_path, LIGHTNING_SCRIPT.replace("sys.argv[1:]", repr(ignore)))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not ignore:
+        assert "Lightning's save_hyperparameters() copies every __init__ argument, and " \
+               "'metrics' is a Logger: call self.save_hyperparameters(ignore=['metrics'])" in \
+               got["error"]
+    else:
+        assert got == {"hparams": {"lr": 0.1}, "saved": {"lr": 0.1}, "steps": 4,
+                       "delivered": 4}
+
+
+def test_lightning_save_hyperparameters_names_the_argument_to_ignore():
+    """The quick version of the above: construction only, in this process."""
+    L = pytest.importorskip("lightning")
+
+    class Tiny(L.LightningModule):
+        def __init__(self, lr=0.1, metrics=None, ignore=()):
+            super().__init__()
+            self.save_hyperparameters(ignore=list(ignore))
+            self.metrics = metrics
+
+    with syncless.Logger() as log:
+        assert "call self.save_hyperparameters(ignore=['metrics'])" in \
+            refused(lambda: Tiny(metrics=log))
+        model = Tiny(metrics=log, ignore=["metrics", "ignore"])
+        assert dict(model.hparams) == {"lr": 0.1} and model.metrics is log
+
+
+# ---- attach: the same rules as log() ---------------------------------------------------------------
+
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_attached_values_follow_the_rules_of_log(device, delivery, caplog):
+    """A string "1.5" is refused as log() refuses it (used to be parsed), as is a complex or a
+    vector; resolve() raising is reported once per name; each counts in stats.late_errors, and
+    the rows and every good value arrive. A one-element tensor is read (on CUDA too)."""
+    got = Collect()
+    with syncless.Logger(every=2, sinks=[got], delivery=delivery) as log:
+        for step in range(4):
+            log(loss=value(step, device))
+            log.attach("text", lambda: "1.5")
+            log.attach("vector", lambda: torch.ones(2, device=device))
+            log.attach("boom", lambda: 1 / 0)
+            log.attach("good", lambda s=step: value(s * 10, device))
+            log.attach("np", lambda s=step: torch.tensor(s, dtype=torch.int64).numpy()[()])
+        log.flush()
+        assert log.stats.late_errors == 12
+    assert got.rows == [(s, {"loss": float(s), "good": 10.0 * s, "np": float(s)})
+                        for s in range(4)]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 3, errors                     # once per name
+    assert any("late value 'text' for step 0 failed: TypeError: metric 'text' must be a real "
+               "number or a one-element tensor, got str" in e for e in errors)
+    assert any("late value 'vector' for step 0 failed: ValueError: metric 'vector' must hold "
+               "one element, got shape (2,)" in e for e in errors)
+    assert any("late value 'boom' for step 0 failed: ZeroDivisionError" in e for e in errors)
+
+
+def test_attach_under_a_logged_name_is_refused_or_counted(device, caplog):
+    """A name log() wrote is refused at attach(); one log() takes up only after the attach
+    keeps log()'s value (never the sum) and the collision is reported and counted."""
+    got = Collect()
+    with syncless.Logger(every=2, sinks=[got]) as log:
+        log(loss=value(1, device))
+        with pytest.raises(ValueError, match=r"metric 'loss' is written by log\(\); an "
+                                             r"attached value under the same name"):
+            log.attach("loss", lambda: 100.0)
+        log.attach("extra", lambda: 5.0, step=1)       # log() has not used 'extra' yet
+        log.attach("extra", lambda: 2.0, step=1)       # two attached values still add up
+        log(loss=value(2, device), extra=value(7, device))     # step 1: log() writes it too
+        log(loss=value(3, device))
+        log.attach("t", lambda: 0.25)
+        log.attach("t", lambda: 0.5)
+        log.flush()
+        assert log.stats.late_errors == 2
+    assert got.rows == [(0, {"loss": 1.0}), (1, {"loss": 2.0, "extra": 7.0}),
+                        (2, {"loss": 3.0, "t": 0.75})]
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "late value 'extra' for step 1 was not added: log() wrote 'extra' at that step, and " \
+           "its value is kept" in msg
