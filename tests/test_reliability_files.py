@@ -438,3 +438,31 @@ def test_attach_under_a_logged_name_is_refused_or_counted(device, caplog):
     (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "late value 'extra' for step 1 was not added: log() wrote 'extra' at that step, and " \
            "its value is kept" in msg
+
+
+def test_the_tensorboard_drop_in_refuses_deep_copies_like_the_logger(tmp_path):
+    """syncless.tensorboard.SummaryWriter holds a Logger: a deepcopy or pickle (torch's writer
+    fails on a lock there) says what it is and how to share it; a shallow copy, as torch's,
+    shares the one writer and everything logged through either arrives once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from syncless.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(tmp_path, every=2)
+    model = Net(None)
+    model.writer = writer
+    for step in range(3):
+        writer.add_scalar("loss", torch.tensor(float(step)), step)
+        for fn in (lambda: copy.deepcopy(model), lambda: pickle.dumps(writer)):
+            with pytest.raises(TypeError, match=r"syncless.tensorboard: this object cannot be "
+                                                r"deep-copied or pickled .* copy.deepcopy\(model, "
+                                                r"\{id\(writer\): writer\}\)"):
+                fn()
+    ema = copy.deepcopy(model, {id(writer): writer})
+    ema.writer.add_scalar("loss", torch.tensor(3.0), 3)
+    copy.copy(writer).add_scalar("loss", torch.tensor(4.0), 4)
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, float(s)) for s in range(5)]
