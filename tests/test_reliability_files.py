@@ -466,3 +466,16 @@ def test_the_tensorboard_drop_in_refuses_deep_copies_like_the_logger(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, float(s)) for s in range(5)]
+
+
+def test_a_file_deleted_after_the_last_window_is_reported_at_close(tmp_path, caplog):
+    got = Collect()
+    sink = JSONL(tmp_path / "m.jsonl")
+    with syncless.Logger(every=1, sinks=[sink, got]) as log:
+        log(loss=1.0)
+        log.flush()
+        os.unlink(tmp_path / "m.jsonl")
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"JSONL {tmp_path / 'm.jsonl'}: {tmp_path / 'm.jsonl'} was deleted during the run, " \
+           "and every row written to it went with it" in msg
+    assert got.rows == [(0, {"loss": 1.0})] and log.stats.sink_errors == 1

@@ -208,6 +208,13 @@ class _FileSink:
                 f"{rows[0].step} went with it; from that step on rows go to a new "
                 f"{self.path}")
 
+    def _check_not_deleted(self) -> None:
+        """At close(): a file deleted after the last window is reported, not passed over."""
+        if self._file is not None and self._file.unlinked():
+            raise OSError(errno.ENOENT, f"{self.kind} {self.path}: "
+                          f"{self._why_gone(self._file.path)}, and every row written to it "
+                          "went with it")
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -253,6 +260,7 @@ class JSONL(_FileSink):
         if mode not in ("a", "w"):
             raise ValueError(f"JSONL mode must be 'a' or 'w', got {mode!r}")
         self.mode = mode
+        self._fresh = mode == "w"               # truncated once, at the first open
         super().__init__(path)
 
     def write(self, rows) -> None:
@@ -261,9 +269,9 @@ class JSONL(_FileSink):
         text = "".join([json.dumps({"step": r.step, "time": r.time, **r.values}) + "\n"
                         for r in rows])
         lost = self._reopened(rows)
-        file = self._file or self._open(truncate=self.mode == "w" and lost is None)
+        file = self._file or self._open(truncate=self._fresh)
+        self._fresh = False
         file.write(_encode(text), rows)
-        self.mode = "a"                       # truncated once, at the first write
         if lost:
             raise OSError(errno.ENOENT, lost)
 
@@ -272,7 +280,8 @@ class JSONL(_FileSink):
             return
         try:
             if self._file is None and not self._inherited:
-                self._open(truncate=self.mode == "w")     # a run without rows: an empty file
+                self._open(truncate=self._fresh)          # a run without rows: an empty file
+            self._check_not_deleted()
         finally:
             self._closed = True
             self._release()
@@ -401,6 +410,8 @@ class CSV(_FileSink):
                 self._open(truncate=True)
             if self._header is None and not self._parts and self._file.regular:
                 self._file.write(b"step,time\r\n", [])    # an empty table, still a CSV
+            if len(self._parts) < 2:                          # else the merge says it
+                self._check_not_deleted()
         finally:
             self._closed = True
             self._release()
