@@ -183,14 +183,16 @@ SPAWN_SCRIPT = """
 """
 
 
-@pytest.mark.parametrize("worker_logs", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["quiet_workers", "workers_log"])
-def test_spawn_dataloader_workers_keep_every_row(tmp_path, worker_logs):
+@pytest.mark.parametrize("workers, worker_logs", [
+    (1, False), pytest.param(2, False, marks=pytest.mark.slow),
+    pytest.param(2, True, marks=pytest.mark.slow)], ids=["one_worker", "two", "two_logging"])
+def test_spawn_dataloader_workers_keep_every_row(tmp_path, workers, worker_logs):
     """A module-level Logger with CSV and JSONL(mode="w") sinks is made again in each spawn
     DataLoader worker: the parent's files keep all 24 rows (9 of 24 before). A worker that logs
-    into its copy gets a clear error naming the cause, never the parent's file."""
-    out = run_script(tmp_path, SPAWN_SCRIPT.replace("WORKER_LOGS = len(sys.argv) > 1",
-                                                    f"WORKER_LOGS = {worker_logs}"))
+    into its copy gets a clear error naming the cause, never the parent's file. (One worker
+    in the quick suite: each costs an interpreter importing torch.)"""
+    code = SPAWN_SCRIPT.replace("WORKER_LOGS = len(sys.argv) > 1", f"WORKER_LOGS = {worker_logs}")
+    out = run_script(tmp_path, code.replace("num_workers=2", f"num_workers={workers}"))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     expected = [[s, float(s), 2.0 * s] for s in range(24)]
