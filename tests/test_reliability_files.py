@@ -151,10 +151,11 @@ SPAWN_SCRIPT = """
     import json, csv, sys
     import torch
     import syncless
-    from syncless.sinks import CSV, JSONL
+    from syncless.sinks import CSV, JSONL, TensorBoard
 
     # Module level: every spawned worker runs these lines again when it re-imports __main__.
-    log = syncless.Logger(every=5, sinks=[CSV("m.csv"), JSONL("m.jsonl", mode="w")])
+    log = syncless.Logger(every=5, sinks=[CSV("m.csv"), JSONL("m.jsonl", mode="w"),
+                                          TensorBoard("tb")])
 
 
     class Data(torch.utils.data.Dataset):
@@ -197,7 +198,12 @@ def test_spawn_dataloader_workers_keep_every_row(tmp_path, workers, worker_logs)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     expected = [[s, float(s), 2.0 * s] for s in range(24)]
     assert got == {"csv": expected, "jsonl": expected}
-    assert sorted(os.listdir(tmp_path)) == ["m.csv", "m.jsonl", "script.py"]
+    assert sorted(os.listdir(tmp_path)) == ["m.csv", "m.jsonl", "script.py", "tb"]
+    (events,) = os.listdir(tmp_path / "tb")            # the parent's only: none per worker
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb" / events))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("twice")] == [(s, 2.0 * s) for s in range(24)]
     if worker_logs:
         assert "was made while this spawned process re-imported its parent's modules" in \
             out.stderr

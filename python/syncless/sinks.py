@@ -42,6 +42,13 @@ def _spawning() -> bool:
     return mp is not None and bool(getattr(mp.current_process(), "_inheriting", False))
 
 
+def _inherited(sink: Any) -> RuntimeError:
+    return RuntimeError(f"{sink!r} was made while this spawned process re-imported its parent's "
+                        "modules, so its files are the parent's and it writes nothing; create "
+                        "loggers that log in the child inside the child's code (or put the "
+                        "parent's under `if __name__ == '__main__':`)")
+
+
 def _dir_id(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(os.path.dirname(os.path.abspath(path)))
@@ -177,10 +184,7 @@ class _FileSink:
 
     def _open(self, truncate: bool) -> _File:
         if self._inherited:
-            raise RuntimeError(f"{self!r} was made while this spawned process re-imported its "
-                               "parent's modules, so its file is the parent's and it writes "
-                               "nothing; create loggers that log in the child inside the "
-                               "child's code (or under `if __name__ == '__main__':`)")
+            raise _inherited(self)
         if self._closed:
             raise ValueError(f"{self.path}: the sink is closed")
         self._file = _File(self.path, truncate)
@@ -532,6 +536,11 @@ class TensorBoard:
     def __init__(self, log_dir: str | os.PathLike | Any = None, **writer_kwargs: Any):
         if log_dir is not None and hasattr(log_dir, "add_scalar"):
             self.writer, self._owned = log_dir, False
+        elif _spawning():
+            # A module-level line of the parent's run, executed again by a spawned worker: no
+            # event file of its own in the parent's log directory.
+            self.writer, self._owned, self._add = None, False, None
+            return
         else:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -543,6 +552,8 @@ class TensorBoard:
 
     def write(self, rows) -> None:
         add = self._add
+        if add is None:
+            raise _inherited(self)
         failed = _Refused("TensorBoard")
         for r in rows:
             for name, v in r.values.items():
@@ -553,9 +564,12 @@ class TensorBoard:
         failed.raise_if_any()
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
+        if self.writer is None:
+            return
         if self._owned:
             self.writer.close()
         else:
