@@ -487,3 +487,21 @@ def test_a_file_deleted_after_the_last_window_is_reported_at_close(tmp_path, cap
     assert f"JSONL {tmp_path / 'm.jsonl'}: {tmp_path / 'm.jsonl'} was deleted during the run, " \
            "and every row written to it went with it" in msg
     assert got.rows == [(0, {"loss": 1.0})] and log.stats.sink_errors == 1
+
+
+def test_the_csv_deleted_while_its_parts_live_names_where_the_rest_is(tmp_path, caplog):
+    """Only m.csv deleted (the directory stays) while later rows go to a part: close() cannot
+    merge; the error says which rows went and where the others still are, and keeps them."""
+    sink = CSV(tmp_path / "m.csv")
+    with syncless.Logger(every=1, sinks=[sink]) as log:
+        log(a=1.0)
+        log(b=2.0)
+        log.flush()
+        os.unlink(tmp_path / "m.csv")
+        log(b=3.0)
+    part = sink.files[1]
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert f"CSV {tmp_path / 'm.csv'}: {tmp_path / 'm.csv'} was deleted during the run, so its " \
+           f"parts cannot be merged; the rows written to {tmp_path / 'm.csv'} went with it; the " \
+           f"others are in {part} (each a complete CSV)" in msg
+    assert table(part) == (["step", "time", "a", "b"], [(1, {"b": 2.0}), (2, {"b": 3.0})])
