@@ -64,7 +64,7 @@ def value(v, device):
     return torch.tensor(float(v), device=device)
 
 
-# ---- files the sink did not create ----------------------------------------------------------------
+# ---- files the sink did not create --------------------------------------------------------------
 
 USER_FILES = {"metrics.1.csv": b"epoch,acc\r\n1,0.5\r\n", "metrics.2.csv": b"user data 2\n",
               "metrics.3.csv": b"\x00\xffbinary", "metrics.csv.1234.tmp": b"keep me",
@@ -263,7 +263,7 @@ def test_run_directory_deleted_before_the_merge(tmp_path, caplog):
     assert log.stats.sink_errors == 1 and not run.exists()
 
 
-# ---- copies ---------------------------------------------------------------------------------------
+# ---- copies -------------------------------------------------------------------------------------
 
 def refused(fn):
     with pytest.raises(TypeError) as info:
@@ -395,7 +395,7 @@ def test_lightning_save_hyperparameters_names_the_argument_to_ignore():
         assert dict(model.hparams) == {"lr": 0.1} and model.metrics is log
 
 
-# ---- attach: the same rules as log() ---------------------------------------------------------------
+# ---- attach: the same rules as log() ------------------------------------------------------------
 
 @pytest.mark.parametrize("delivery", ["thread", "caller"])
 def test_attached_values_follow_the_rules_of_log(device, delivery, caplog):
