@@ -184,14 +184,14 @@ SPAWN_SCRIPT = """
 """
 
 
-@pytest.mark.parametrize("workers, worker_logs", [
-    (1, False), pytest.param(2, False, marks=pytest.mark.slow),
-    pytest.param(2, True, marks=pytest.mark.slow)], ids=["one_worker", "two", "two_logging"])
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, worker_logs", [(1, False), (2, False), (2, True)],
+                         ids=["one_worker", "two", "two_logging"])
 def test_spawn_dataloader_workers_keep_every_row(tmp_path, workers, worker_logs):
     """A module-level Logger with CSV and JSONL(mode="w") sinks is made again in each spawn
     DataLoader worker: the parent's files keep all 24 rows (9 of 24 before). A worker that logs
-    into its copy gets a clear error naming the cause, never the parent's file. (One worker
-    in the quick suite: each costs an interpreter importing torch.)"""
+    into its copy gets a clear error naming the cause, never the parent's file. (Slow: each
+    worker is an interpreter importing torch; the quick suite has the in-process version.)"""
     code = SPAWN_SCRIPT.replace("WORKER_LOGS = len(sys.argv) > 1", f"WORKER_LOGS = {worker_logs}")
     out = run_script(tmp_path, code.replace("num_workers=2", f"num_workers={workers}"))
     assert out.returncode == 0, out.stderr
@@ -208,6 +208,30 @@ def test_spawn_dataloader_workers_keep_every_row(tmp_path, workers, worker_logs)
         assert "was made while this spawned process re-imported its parent's modules" in \
             out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_sinks_made_during_a_spawn_re_import_never_touch_the_parents_files(tmp_path,
+                                                                          monkeypatch, caplog):
+    """The quick version of the spawn case above, in this process: while a spawned child
+    re-imports its parent's modules, multiprocessing marks the process `_inheriting`; sinks
+    made then open, create and truncate nothing, and a row logged to them is refused clearly."""
+    import multiprocessing.process
+    for name in ("m.csv", "m.jsonl"):
+        (tmp_path / name).write_text("the parent's rows\n")
+    monkeypatch.setattr(multiprocessing.process.current_process(), "_inheriting", True,
+                        raising=False)
+    sinks = [CSV(tmp_path / "m.csv"), JSONL(tmp_path / "m.jsonl", mode="w"),
+             syncless.sinks.TensorBoard(tmp_path / "tb"), CSV(tmp_path / "new" / "m.csv")]
+    monkeypatch.undo()
+    with syncless.Logger(every=1, sinks=sinks) as log:
+        log(loss=1.0)
+    assert sorted(os.listdir(tmp_path)) == ["m.csv", "m.jsonl"]
+    assert (tmp_path / "m.csv").read_text() == (tmp_path / "m.jsonl").read_text() == \
+        "the parent's rows\n"
+    assert log.stats.sink_errors == 4
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 4 and all("was made while this spawned process re-imported its "
+                                    "parent's modules" in e for e in errors)
 
 
 def test_run_directory_deleted_mid_run(tmp_path, device, caplog):
