@@ -731,8 +731,8 @@ def _not_copyable(log: Logger) -> TypeError:
                 code.co_filename.endswith("copy.py"):
             held = local["key"]                      # copy._deepcopy_dict / _reconstruct
         elif held is not None and owner is None and code.co_name == "_reconstruct" and \
-                local.get("x") is not None and local.get("state") is not None:
-            owner = type(local["x"]).__name__        # the object whose attribute it is
+                isinstance(local.get("state"), dict) and local["state"].get(held) is log:
+            owner = type(local.get("x")).__name__    # the object whose attribute it is
         if code.co_name == "save_hyperparameters" and "lightning" in code.co_filename:
             lightning = True
             break
