@@ -397,8 +397,8 @@ class CSV(_FileSink):
         if self._folder is None:
             parent, name = os.path.split(self.path)
             stamp = time.strftime("%Y%m%dT%H%M%S")
-            self._folder = tempfile.mkdtemp(prefix=f".{name}.syncless-{stamp}-",
-                                            dir=parent or ".")
+            self._folder = os.path.abspath(tempfile.mkdtemp(   # a later chdir changes nothing
+                prefix=f".{name}.syncless-{stamp}-", dir=parent or "."))
         part = _File(os.path.join(self._folder, f"{len(self._parts)}.csv"), truncate=True,
                      exclusive=True)
         self._file.close()
