@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -70,18 +71,25 @@ def test_csv_ten_thousand_names_are_written_once(tmp_path):
                           "loss": step / 4}
 
 
-def test_csv_reopened_removes_the_parts_of_an_earlier_run(tmp_path):
+def test_csv_reopened_leaves_the_parts_of_an_earlier_run_alone(tmp_path):
+    """Parts live in a hidden folder of the sink's own; a crashed run's folder stays as it was
+    (the new run did not create it), and the new run's table holds only its own rows."""
     path = tmp_path / "m.csv"
     with syncless.Logger(every=1, sinks=[CSV(path)]) as log:
         log(a=1.0)
         log(b=2.0)
         log.flush()
-        assert len(CSV.parts(path)) == 2
-        os.link(tmp_path / "m.1.csv", tmp_path / "kept.csv")     # what a crash would leave
-    os.link(tmp_path / "kept.csv", tmp_path / "m.1.csv")
+        parts = CSV.parts(path)
+        assert len(parts) == 2 and parts[1].endswith("1.csv")
+        assert os.path.basename(os.path.dirname(parts[1])).startswith(".m.csv.syncless-")
+        os.link(parts[1], tmp_path / "kept.csv")                # what a crash would leave
+    os.mkdir(os.path.dirname(parts[1]))
+    os.link(tmp_path / "kept.csv", parts[1])
+    left = pathlib.Path(parts[1]).read_bytes()
     with syncless.Logger(every=1, sinks=[CSV(path)]) as log:
         log(c=3.0)
-    assert CSV.parts(path) == [str(path)]
+    assert CSV.parts(path) == [str(path), parts[1]]
+    assert pathlib.Path(parts[1]).read_bytes() == left
     assert [r[:1] + r[2:] for r in read_csv(path)] == [["step", "c"], ["0", "3.0"]]
 
 

@@ -140,6 +140,20 @@ class Deferred:
     def errors(self) -> int:
         return self.failures.count
 
+    def __deepcopy__(self, memo: dict) -> "Deferred":
+        raise self._not_copyable()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self._not_copyable()
+
+    def _not_copyable(self) -> TypeError:
+        # As syncless.Logger's: a copy would split one run's records between two loggers.
+        return TypeError(f"{self.failures.source}: this object cannot be deep-copied or pickled "
+                         "(neither can torch's or wandb's: it owns a syncless.Logger, a thread "
+                         "and open files); share the one object: keep it out of what gets "
+                         "copied or saved, or copy around it: copy.deepcopy(model, "
+                         "{id(writer): writer})")
+
     # ---- the caller's thread ---------------------------------------------------------------
 
     def put(self, record: Any, values: Sequence[Any], names: Sequence[str], step: Any = None,

@@ -132,8 +132,17 @@ def _known(late: _Late) -> bool:
         return True                          # resolve() will raise it, and it is reported
     if v is None:
         return False
-    late.value = float(v)
+    late.value = v                           # checked like any attached value when merged
     return True
+
+
+def _late_value(name: str, v: Any) -> float:
+    """An attached fn's result, under log()'s rules (a real number or a one-element tensor;
+    the same errors, naming the metric). A CUDA tensor is read here, where resolve() may wait."""
+    if type(v) is float:
+        return v
+    device, values = _C.read_host_values({name: v})
+    return float(v.item()) if values is None else values[name]
 
 
 def _landed(job: tuple) -> bool:
@@ -173,6 +182,8 @@ class Delivery:
         self._held: list[Row] = []           # rows of the newest step, waiting one batch
         self._hold = False                   # only once late values are in use
         self._late: list[_Late] = []
+        self.late_errors = 0                 # attached values that failed or collided
+        self._late_failed: set[str] = set()  # their names, each reported once
         self._last_gpu_ns: int | None = None
         self._gpu_offset: int | None = None  # min(gpu_ns - host_ns): the clocks' alignment
         # [step, gpu_ns, lag_ms] of the last row of each recent step (gpu_time only)
@@ -424,16 +435,24 @@ class Delivery:
         for row in rows:
             first.setdefault(row.step, row)
         extra: dict[int, dict] = {}
+        merged: set[tuple[int, str]] = set()       # late values added to a row here
         for late in due:
             try:
                 v = late.value
                 if v is None:                # may wait (a timer's end event)
-                    v = float(late.resolve())
+                    v = late.resolve()
+                v = _late_value(late.name, v)
             except BaseException as exc:
-                _log.error("syncless: late value %r for step %d failed: %s: %s",
-                           late.name, late.step, type(exc).__name__, exc)
+                self._late_failed_once(late, f"failed: {type(exc).__name__}: {exc}")
                 continue
             row = first.get(late.step)
+            if row is not None and late.name in row.values and \
+                    (late.step, late.name) not in merged:
+                self._late_failed_once(late, f"was not added: log() wrote {late.name!r} at "
+                                       "that step, and its value is kept; attach under a name "
+                                       "log() does not use")
+                continue
+            merged.add((late.step, late.name))
             values = row.values if row is not None else extra.setdefault(late.step, {})
             values[late.name] = values.get(late.name, 0.0) + v     # repeated durations add up
             if not math.isfinite(v):
@@ -446,6 +465,13 @@ class Delivery:
                 rows.append(row)
             rows.sort(key=lambda r: r.step)        # stable: equal steps keep their order
         return rows
+
+    def _late_failed_once(self, late: _Late, what: str) -> None:
+        self.late_errors += 1
+        if late.name not in self._late_failed:
+            self._late_failed.add(late.name)
+            _log.error("syncless: late value %r for step %d %s (reported once per name; "
+                       "stats.late_errors counts them)", late.name, late.step, what)
 
     def _emit(self, rows: list[Row], upto: float | None, latest_done: bool = False,
               blocking: bool = True) -> None:

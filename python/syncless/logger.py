@@ -81,6 +81,7 @@ class LoggerStats(NamedTuple):
     nonfinite: dict                  # {metric: count of NaN/Inf values delivered}
     lost: int                        # rows overwritten before a flush (graph replays only)
     sink_errors: int                 # exceptions raised by sinks (each sink reported once)
+    late_errors: int                 # attached values that failed, were refused or collided
 
 
 class _Generation:
@@ -314,7 +315,14 @@ class Logger:
         in the loop, at a flush: one with a `poll()` method (None until the value is known, as
         a timer's reader has) holds the row back to a later flush instead of being waited for.
         Values attached under one name for one step add up. If the step's row already went to
-        the sinks, the value comes as a row of its own at that step (`row.late` is True)."""
+        the sinks, the value comes as a row of its own at that step (`row.late` is True).
+
+        resolve() returns what log() takes (a real number or a one-element tensor; a CUDA one
+        is read where resolve runs, with a sync there). A value log() would refuse (a string,
+        a complex), and an exception from resolve(), are reported once per name and counted in
+        `stats.late_errors`; the row goes out without it. A name is either logged or attached:
+        one log() already wrote is refused here, and if log() writes it at that step later, the
+        logged value is kept and the attached one reported and counted the same way."""
         if self._closed:
             self._refuse_closed()
         if not isinstance(name, str):
@@ -322,6 +330,10 @@ class Logger:
         if name in RESERVED:
             raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
                              "time; pick another name")
+        if name in self._columns:
+            raise ValueError(f"metric {name!r} is written by log(); an attached value under the "
+                             "same name would be mixed into it: attach it under another name "
+                             f"(e.g. {name + '/late'!r})")
         if not callable(resolve):
             raise TypeError(f"attach({name!r}, ...) needs a callable that returns the value")
         if step is None:
@@ -682,7 +694,7 @@ class Logger:
     def stats(self) -> LoggerStats:
         d = self._delivery
         return LoggerStats(self._calls, d.delivered, self._windows, self._pool.waits,
-                           dict(d.nonfinite), d.lost, d.sink_errors)
+                           dict(d.nonfinite), d.lost, d.sink_errors, d.late_errors)
 
     @property
     def device(self) -> torch.device:
@@ -691,6 +703,58 @@ class Logger:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._calls} steps"
         return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
+
+    # ---- copies ------------------------------------------------------------------------------
+    # A copy would share the queue and the sinks but not the step counters (two loggers
+    # writing one run with steps that go back), and a pickle cannot carry a thread, device
+    # buffers or open files: refused, with the fix, the moment anything tries.
+
+    def __copy__(self) -> "Logger":
+        raise _not_copyable(self)
+
+    def __deepcopy__(self, memo: dict) -> "Logger":
+        raise _not_copyable(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_copyable(self)
+
+
+def _not_copyable(log: Logger) -> TypeError:
+    """The error for a copy or pickle of `log`, naming where it is held when the caller is a
+    deepcopy (the attribute or key holding it) or Lightning's save_hyperparameters()."""
+    held, owner, lightning = None, None, False
+    frame = sys._getframe(2)
+    while frame is not None:
+        local = frame.f_locals
+        code = frame.f_code
+        if held is None and local.get("value") is log and isinstance(local.get("key"), str) and \
+                code.co_filename.endswith("copy.py"):
+            held = local["key"]                      # copy._deepcopy_dict / _reconstruct
+        elif held is not None and owner is None and code.co_name == "_reconstruct" and \
+                isinstance(local.get("state"), dict) and local["state"].get(held) is log:
+            owner = type(local.get("x")).__name__    # the object whose attribute it is
+        if code.co_name == "save_hyperparameters" and "lightning" in code.co_filename:
+            lightning = True
+            break
+        frame = frame.f_back
+    del frame
+    what = "syncless.Logger cannot be copied or pickled: it owns a delivery thread, device " \
+           "buffers and open sinks, and a copy would write one run with two step counters."
+    if lightning:
+        name = repr(held) if held is not None else "'<the Logger argument>'"
+        return TypeError(f"{what} Lightning's save_hyperparameters() copies every __init__ "
+                         f"argument, and {name} is a Logger: call "
+                         f"self.save_hyperparameters(ignore=[{name}]) and keep it as a plain "
+                         "attribute")
+    where = ""
+    if held is not None:
+        where = f" It is {owner}.{held}, being deep-copied." if owner else \
+            f" It is the value of {held!r} in what is being deep-copied."
+    return TypeError(f"{what}{where} Share the one Logger instead of copying it: keep it out "
+                     "of modules and configs that get copied or saved (pass it to the training "
+                     "loop), or copy around it: copy.deepcopy(model, {id(log): log}) keeps the "
+                     "same Logger in the copy (an EMA model); for torch.save, save the "
+                     "state_dict()")
 
 
 def _rank() -> int:

@@ -24,9 +24,37 @@ import os
 import shutil
 import stat
 import sys
+import tempfile
+import threading
+import time
+import weakref
 from typing import Any, Callable, TextIO
 
 __all__ = ["Callback", "JSONL", "CSV", "Print", "TensorBoard", "WandB"]
+
+
+def _spawning() -> bool:
+    """Is this a spawned child re-running its parent's modules before its own code starts (the
+    `spawn` and `forkserver` start methods: macOS, Windows, DataLoader workers made with
+    multiprocessing_context="spawn")? A sink made now is a module-level line of the parent's
+    run executed again; its files are the parent's."""
+    mp = sys.modules.get("multiprocessing.process")
+    return mp is not None and bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def _inherited(sink: Any) -> RuntimeError:
+    return RuntimeError(f"{sink!r} was made while this spawned process re-imported its parent's "
+                        "modules, so its files are the parent's and it writes nothing; create "
+                        "loggers that log in the child inside the child's code (or put the "
+                        "parent's under `if __name__ == '__main__':`)")
+
+
+def _dir_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class _File:
@@ -38,15 +66,27 @@ class _File:
     tries again. Nothing is ever read back, so a device or a FIFO (`/dev/full`, `/dev/stdout`)
     can only fail, never hang."""
 
-    def __init__(self, path: str, truncate: bool):
+    def __init__(self, path: str, truncate: bool, exclusive: bool = False):
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else os.O_APPEND)
+        if exclusive:
+            flags |= os.O_EXCL
         # os.open follows a symlink: the link's target is written, the link stays.
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o666)
         self.path = path
         self.regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
+
+    def unlinked(self) -> bool:
+        """Was the file deleted while open (rows written now would reach no one)? One fstat,
+        once per window."""
+        if self.fd < 0 or not self.regular:
+            return False
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
 
     def write(self, data: bytes, rows: list) -> None:
         """Write `data` (the bytes of `rows`, named in the error if it fails) or nothing."""
@@ -67,13 +107,7 @@ class _File:
                     os.ftruncate(self.fd, start)
                 except OSError:
                     kept = "the last row may be cut short"
-            if not rows:
-                what = "the header was"
-            elif len(rows) == 1:
-                what = f"step {rows[0].step} was"
-            else:
-                what = f"steps {rows[0].step}-{rows[-1].step} were"
-            raise OSError(exc.errno, f"{exc.strerror}: {self.path}: {what} not written "
+            raise OSError(exc.errno, f"{exc.strerror}: {self.path}: {_steps(rows)} not written "
                           f"({kept}); the next window tries again") from exc
 
     def close(self) -> None:
@@ -82,10 +116,118 @@ class _File:
             os.close(fd)
 
 
+def _steps(rows: list) -> str:
+    if not rows:
+        return "the header was"
+    if len(rows) == 1:
+        return f"step {rows[0].step} was"
+    return f"steps {rows[0].step}-{rows[-1].step} were"
+
+
 def _encode(text: str) -> bytes:
     # A name that is not valid Unicode (a lone surrogate, "bad\udc80", from os.fsdecode of a
     # bad file name) is written with a backslash escape instead of failing every window.
     return text.encode("utf-8", "backslashreplace")
+
+
+# One sink per file in a process: two would interleave their rows (and a CSV's merge would
+# fold one table into the other). Keyed by the resolved path; a sink leaves at close().
+_claimed: "weakref.WeakValueDictionary[str, _FileSink]" = weakref.WeakValueDictionary()
+_claim_lock = threading.Lock()
+
+
+class _FileSink:
+    """What CSV and JSONL share. The file is opened at the first write (or at close(), for a
+    run without rows), never at construction, and a sink made while a spawned worker re-imports
+    its parent's modules never opens it: a module-level `Logger(sinks=[CSV(...)])` run again in
+    every worker must not truncate the parent's file. Construction still fails early on a path
+    that cannot be written, and on a path another open sink of this process writes."""
+
+    kind = "file"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._file: _File | None = None
+        self._dir: tuple[int, int] | None = None      # the directory of `path` when opened
+        self._closed = False
+        self._key: str | None = None
+        self._inherited = _spawning()
+        if self._inherited:
+            return
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        exists = os.path.exists(self.path)
+        if exists and os.path.isdir(self.path):
+            raise IsADirectoryError(errno.EISDIR, f"{self.kind} {self.path}: is a directory; "
+                                    "pass a file path")
+        if not os.access(self.path if exists else (parent or "."), os.W_OK):
+            raise PermissionError(errno.EACCES, f"{self.kind} {self.path}: not writable "
+                                  "(permission denied)")
+        if not exists or os.path.isfile(self.path):   # streams (/dev/stdout) may be shared
+            self._claim(os.path.realpath(self.path))
+
+    def _claim(self, key: str) -> None:
+        with _claim_lock:
+            other = _claimed.get(key)
+            if other is not None and not other._closed:
+                raise ValueError(f"{self!r}: {other!r} already writes {key} in this process, "
+                                 "and two sinks on one file would mix their rows; close the "
+                                 "first one (its Logger's close()) or give each its own path")
+            _claimed[key] = self
+            self._key = key
+
+    def _release(self) -> None:
+        with _claim_lock:
+            if self._key is not None and _claimed.get(self._key) is self:
+                del _claimed[self._key]
+
+    def _open(self, truncate: bool) -> _File:
+        if self._inherited:
+            raise _inherited(self)
+        if self._closed:
+            raise ValueError(f"{self.path}: the sink is closed")
+        self._file = _File(self.path, truncate)
+        self._dir = _dir_id(self.path)
+        return self._file
+
+    def _why_gone(self, lost: str) -> str:
+        """What happened to the file `lost` (path or one of its parts), found deleted."""
+        if _dir_id(self.path) != self._dir:
+            return f"its directory {os.path.dirname(os.path.abspath(self.path))} was deleted " \
+                   "during the run"
+        if not os.path.lexists(self.path):
+            return f"{self.path} was deleted during the run"
+        return f"{lost} was deleted during the run"
+
+    def _reopened(self, rows: list) -> str | None:
+        """If the open file was deleted (its directory too, maybe), forget it, so the next write
+        starts the file afresh; then say what happened for the error raised after that write."""
+        if self._file is None or not self._file.unlinked():
+            return None
+        why = self._why_gone(self._file.path)
+        self._file.close()
+        self._file = None
+        return (f"{self.kind} {self.path}: {why}, and the rows written before step "
+                f"{rows[0].step} went with it; from that step on rows go to a new "
+                f"{self.path}")
+
+    def _check_not_deleted(self) -> None:
+        """At close(): a file deleted after the last window is reported, not passed over."""
+        if self._file is not None and self._file.unlinked():
+            raise OSError(errno.ENOENT, f"{self.kind} {self.path}: "
+                          f"{self._why_gone(self._file.path)}, and every row written to it "
+                          "went with it")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def flush(self) -> None:
+        """Nothing to do: every window reaches the OS when it is written."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r})"
 
 
 class Callback:
@@ -104,85 +246,121 @@ class Callback:
         return f"Callback({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-class JSONL:
+class JSONL(_FileSink):
     """One JSON object per step: {"step": 7, "time": 1733000000.12, "loss": 0.5, ...}.
     NaN and Inf are written as JSON's NaN/Infinity extensions (Python's json reads them).
 
-    mode "a" (default) appends to an existing file, "w" starts it afresh. Each window is one
-    write of whole lines, passed straight to the OS (nothing is buffered, so flush() has nothing
-    to do); on a failed write (a full disk) the file is cut back to whole lines and the sink
-    raises an OSError naming the steps lost: the logger reports it and the next window tries
-    again. Names that are not valid Unicode are written as JSON escapes."""
+    mode "a" (default) appends to an existing file, "w" starts it afresh, at the first write
+    (or at close() for a run without rows). Each window is one write of whole lines, passed
+    straight to the OS (nothing is buffered, so flush() has nothing to do); on a failed write
+    (a full disk) the file is cut back to whole lines and the sink raises an OSError naming the
+    steps lost: the logger reports it and the next window tries again. A file deleted during
+    the run (its directory removed) is made again and the error says which rows went with it.
+    Names that are not valid Unicode are written as JSON escapes."""
+
+    kind = "JSONL"
 
     def __init__(self, path: str | os.PathLike, mode: str = "a"):
         if mode not in ("a", "w"):
             raise ValueError(f"JSONL mode must be 'a' or 'w', got {mode!r}")
-        self.path = os.fspath(path)
-        self._file = _File(self.path, truncate=mode == "w")
+        self.mode = mode
+        self._fresh = mode == "w"               # truncated once, at the first open
+        super().__init__(path)
 
     def write(self, rows) -> None:
         if not rows:
             return
         text = "".join([json.dumps({"step": r.step, "time": r.time, **r.values}) + "\n"
                         for r in rows])
-        self._file.write(_encode(text), rows)
-
-    def flush(self) -> None:
-        """Nothing to do: every window reaches the OS when it is written."""
+        lost = self._reopened(rows)
+        file = self._file or self._open(truncate=self._fresh)
+        self._fresh = False
+        file.write(_encode(text), rows)
+        if lost:
+            raise OSError(errno.ENOENT, lost)
 
     def close(self) -> None:
-        self._file.close()
+        if self._closed:
+            return
+        try:
+            if self._file is None and not self._inherited:
+                self._open(truncate=self._fresh)          # a run without rows: an empty file
+            self._check_not_deleted()
+        finally:
+            self._closed = True
+            self._release()
+            if self._file is not None:
+                self._file.close()
 
-    def __repr__(self) -> str:
-        return f"JSONL({self.path!r})"
 
-
-class CSV:
+class CSV(_FileSink):
     """A table: step,time,<metric>..., one row per step, a column per metric in order of first
     appearance; a metric absent at a step leaves its cell empty. After close(), `path` is one
     CSV file that `pandas.read_csv(path)` or `csv.DictReader` reads whole.
 
     New metrics never rewrite what is written. While the run goes on, a window that brings new
-    names starts a new part beside the file, with the wider header: `m.csv`, then `m.1.csv`,
-    `m.2.csv`, ... (`CSV.parts(path)` lists them in order; each is a complete CSV, so a crashed
-    run leaves files that read as they are). close() merges the parts into `path` in one pass
-    (rows of narrower parts padded with empty cells) and removes them. Cost: a window costs the
-    bytes of its rows (one field per known column), a new part one header; nothing is read
-    back during the run, so the total work is O(bytes written), plus one pass over the file at
-    close() when the columns grew. Opening truncates `path` and removes parts a previous run
-    of it left behind. A path that is not a regular file (`/dev/stdout`, a FIFO) gets the
-    wider header as a new line in the stream instead of parts, and no merge.
+    names starts a new part, with the wider header, in a hidden folder the sink creates beside
+    the file (`.m.csv.syncless-<time>-<random>/1.csv`, `2.csv`, ...; `sink.files` lists `path`
+    and the parts in order, `CSV.parts(path)` what a crashed run left; each is a complete CSV,
+    so a crashed run leaves files that read as they are). close() merges the parts into `path`
+    in one pass (rows of narrower parts padded with empty cells) and removes them and the
+    folder. Cost: a window costs the bytes of its rows (one field per known column), a new part
+    one header; nothing is read back during the run, so the total work is O(bytes written),
+    plus one pass over the file at close() when the columns grew.
+
+    The sink writes `path` (truncated at the first write, or at close() for a run without
+    rows) and the files it creates, and nothing else: files beside it (`m.1.csv`, an earlier
+    run's part folder) are never touched. A path that is not a regular file (`/dev/stdout`, a
+    FIFO) gets the wider header as a new line in the stream instead of parts, and no merge.
 
     Writes are unbuffered, one per window; a failed one (a full disk) leaves whole rows only
     and raises an OSError naming the steps lost, which the logger reports; the next window
-    tries again. A symlinked `path` writes its target. Names that are not valid Unicode are
-    written with backslash escapes."""
+    tries again. A file deleted during the run (its directory removed) is made again, with the
+    full header, and the error says which rows went with it. A symlinked `path` writes its
+    target. Names that are not valid Unicode are written with backslash escapes."""
+
+    kind = "CSV"
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
+        super().__init__(path)
         self.columns: list[str] = []
         self._known: set[str] = set()
-        for stale in CSV.parts(self.path)[1:]:
-            os.unlink(stale)
-        self._file = _File(self.path, truncate=True)
         self._parts: list[tuple[str, int, int]] = []   # (path, columns, header bytes)
         self._header: int | None = None                # columns in the current header on disk
+        self._folder: str | None = None                # the folder of parts, once there is one
+
+    @property
+    def files(self) -> list[str]:
+        """The files this sink wrote so far, in order: `path`, then its parts (if any)."""
+        return [p for p, _, _ in self._parts]
 
     @staticmethod
     def parts(path: str | os.PathLike) -> list[str]:
-        """The files a CSV sink is writing at `path`, in order: `path` and its parts."""
+        """`path` (if it exists), then the parts that CSV sinks writing it left beside it (a run
+        going on, or one that crashed before close()), oldest folder first."""
         path = os.fspath(path)
-        base, ext = os.path.splitext(path)
+        parent, name = os.path.split(path)
         found = [path] if os.path.lexists(path) else []
-        k = 1
-        while os.path.lexists(f"{base}.{k}{ext}"):
-            found.append(f"{base}.{k}{ext}")
-            k += 1
+        prefix = f".{name}.syncless-"
+        try:
+            folders = sorted(f for f in os.listdir(parent or ".") if f.startswith(prefix))
+        except OSError:
+            return found
+        for folder in folders:
+            folder = os.path.join(parent, folder)
+            with contextlib.suppress(OSError):
+                numbered = [f for f in os.listdir(folder) if f[:-4].isdigit() and
+                            f.endswith(".csv")]
+                found += [os.path.join(folder, f) for f in sorted(numbered,
+                                                                  key=lambda f: int(f[:-4]))]
         return found
 
     def write(self, rows) -> None:
         if not rows:
             return
+        lost = self._reopened(rows)
+        if lost:                             # the table starts again, with every column
+            self._parts, self._header, self._folder = [], None, None
         new: dict[str, None] = {}                       # ordered, O(1) membership
         seen = self._known
         for r in rows:
@@ -192,6 +370,7 @@ class CSV:
         columns = self.columns + list(new) if new else self.columns
         if new and self._header is not None:
             self._next_part()
+        file = self._file or self._open(truncate=True)
         out = io.StringIO()
         w = csv.writer(out)
         header = self._header is None
@@ -200,46 +379,69 @@ class CSV:
             header_bytes = len(_encode(out.getvalue()))
         w.writerows([r.step, repr(r.time)] + [r.values.get(c, "") for c in columns]
                     for r in rows)
-        self._file.write(_encode(out.getvalue()), rows)
+        file.write(_encode(out.getvalue()), rows)
         if header:
             self._header = len(columns)
-            if self._file.regular:
-                self._parts.append((self._file.path, len(columns), header_bytes))
+            if file.regular:
+                self._parts.append((file.path, len(columns), header_bytes))
         if new:
             self.columns = columns
             seen.update(new)
+        if lost:
+            raise OSError(errno.ENOENT, lost)
 
     def _next_part(self) -> None:
         if not self._file.regular:
             self._header = None              # a stream: the wider header is the next line
             return
-        base, ext = os.path.splitext(self.path)
-        part = _File(f"{base}.{len(self._parts)}{ext}", truncate=True)
+        if self._folder is None:
+            parent, name = os.path.split(self.path)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            self._folder = os.path.abspath(tempfile.mkdtemp(   # a later chdir changes nothing
+                prefix=f".{name}.syncless-{stamp}-", dir=parent or "."))
+        part = _File(os.path.join(self._folder, f"{len(self._parts)}.csv"), truncate=True,
+                     exclusive=True)
         self._file.close()
         self._file, self._header = part, None
 
-    def flush(self) -> None:
-        """Nothing to do: every window reaches the OS when it is written."""
-
     def close(self) -> None:
-        if self._file.fd < 0:
+        if self._closed:
             return
         try:
+            if self._inherited:
+                return
+            if self._file is None:
+                self._open(truncate=True)
             if self._header is None and not self._parts and self._file.regular:
                 self._file.write(b"step,time\r\n", [])    # an empty table, still a CSV
+            if len(self._parts) < 2:                          # else the merge says it
+                self._check_not_deleted()
         finally:
-            self._file.close()
+            self._closed = True
+            self._release()
+            if self._file is not None:
+                self._file.close()
         if len(self._parts) > 1:
             self._merge()
 
     def _merge(self) -> None:
         """Write path's target afresh with the final header and every part's rows, then remove
-        the parts. On failure the parts stay as they are and the OSError says so."""
+        the parts and their folder. On failure the parts stay and the OSError says where."""
+        missing = [p for p, _, _ in self._parts if not os.path.lexists(p)]
+        if missing:
+            why = self._why_gone(missing[0])
+            kept = [p for p, _, _ in self._parts if p not in missing]
+            lost = "every row went with it" if why.startswith("its directory") else \
+                f"the rows written to {', '.join(missing)} went with it"
+            raise OSError(errno.ENOENT, f"CSV {self.path}: {why}, so its parts cannot be "
+                          f"merged; {lost}" + (f"; the others are in {', '.join(kept)} (each "
+                                               "a complete CSV)" if kept else ""))
         target = os.path.realpath(self.path)
-        tmp = f"{target}.{os.getpid()}.tmp"
+        folder, name = os.path.split(target)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".syncless-merge", dir=folder)
         width = len(self.columns)
         try:
-            with open(tmp, "wb") as out:
+            with os.fdopen(fd, "wb") as out:
                 head = io.StringIO()
                 csv.writer(head).writerow(["step", "time"] + self.columns)
                 out.write(_encode(head.getvalue()))
@@ -270,9 +472,8 @@ class CSV:
         for path, _, _ in self._parts[1:]:
             os.unlink(path)
         self._parts = self._parts[:1]
-
-    def __repr__(self) -> str:
-        return f"CSV({self.path!r})"
+        with contextlib.suppress(OSError):   # left in place if anyone put a file in it
+            os.rmdir(self._folder)
 
 
 class Print:
@@ -335,6 +536,11 @@ class TensorBoard:
     def __init__(self, log_dir: str | os.PathLike | Any = None, **writer_kwargs: Any):
         if log_dir is not None and hasattr(log_dir, "add_scalar"):
             self.writer, self._owned = log_dir, False
+        elif _spawning():
+            # A module-level line of the parent's run, executed again by a spawned worker: no
+            # event file of its own in the parent's log directory.
+            self.writer, self._owned, self._add = None, False, None
+            return
         else:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -346,6 +552,8 @@ class TensorBoard:
 
     def write(self, rows) -> None:
         add = self._add
+        if add is None:
+            raise _inherited(self)
         failed = _Refused("TensorBoard")
         for r in rows:
             for name, v in r.values.items():
@@ -356,9 +564,12 @@ class TensorBoard:
         failed.raise_if_any()
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
+        if self.writer is None:
+            return
         if self._owned:
             self.writer.close()
         else:
