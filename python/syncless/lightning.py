@@ -179,7 +179,9 @@ def _build(pkg_name: str) -> type:
             The first batch of each fit is copied back at once, so the progress bar shows a
             value from the second batch (on a GPU: once the GPU finished the first batch).
         sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
-            Lightning's step, from the delivery thread. A metric named `step` or `time` (the
+            Lightning's step, from the delivery thread (on a GPU; without one, from the
+            training thread as each window is handed over: no thread is needed to wait for
+            copies there). A metric named `step` or `time` (the
             rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
             metrics than one gather kernel holds (248) comes as several rows at its step. The
             sinks are flushed at the end of every fit and stay open for the next one (one
