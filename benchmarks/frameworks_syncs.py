@@ -284,8 +284,9 @@ def lightning(device: str, syncless: bool, steps: int, window: tuple, counter: C
                                       batch_size=64, pin_memory=device == "cuda")
     cbs = ([SynclessLogging()] if syncless else []) + [Count(), TQDMProgressBar()]
     trainer = pl.Trainer(max_steps=steps, callbacks=cbs, logger=CSVLogger(tmp, name="csv"),
-                         log_every_n_steps=10, val_check_interval=eval_every, enable_checkpointing=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, devices=1,
+                         log_every_n_steps=10, val_check_interval=eval_every,
+                         enable_checkpointing=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, devices=1,
                          accelerator="gpu" if device == "cuda" else "cpu")
     try:
         with _quiet():

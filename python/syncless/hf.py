@@ -67,17 +67,18 @@ Delivered late (unless `syncless_log_at_step`): `log()`, so `on_log`/`report_to`
 runs when the logging step's row arrives, and before the next optimizer step's `on_step_end` (or
 the epoch's `on_epoch_end`) at the latest, as with the Trainer (`logging_first_step` included):
 if the row is not there yet, the trainer waits for it there (counted in
-`trainer.syncless_waits`), one step after the logging step, so the GPU still has that next
-step's work queued and does not idle; a host slower than the GPU finds the row there already.
+`trainer.syncless_waits`). One step after the logging step, the GPU still has that next step's
+work queued, so it does not idle meanwhile, and a host slower than the GPU finds the row there
+already; at `on_epoch_end` right after a logging step the wait is a full one (once per epoch).
 A callback reading `state.log_history` in that next step's `on_step_begin` or
 `on_optimizer_step` may not see it yet; one that stops training (or asks for a save or an
 evaluation) from `on_log` acts at the step where the row arrived (the next one), not at the
 logging step: pass `syncless_log_at_step=True` if that step must be the Trainer's. What an
 `on_log` callback reads beyond `logs` and the state fields set back (the model's weights, the
-optimizer, the scheduler, counters of its own) is as of that later step too. `state.num_input_tokens_seen`
-of a device count lags between logging steps (it holds the last delivered row's count: the
-last logging step, or the last window of `trainer.syncless`); it is exact at every log, save,
-evaluation and the end, and a host count (`"all"`) is never late.
+optimizer, the scheduler, counters of its own) is as of that later step too.
+`state.num_input_tokens_seen` of a device count lags between logging steps (it holds the last
+delivered row's count: the last logging step, or the last window of `trainer.syncless`); it is
+exact at every log, save, evaluation and the end, and a host count (`"all"`) is never late.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ __all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
 
 _log = logging.getLogger("syncless")
 _INF = float("inf")
+_UNSET = object()
 _classes: dict[str, type] = {}
 
 
@@ -234,18 +236,23 @@ class SynclessTrainerMixin:
         self._sl_filter_off = False
         self._sl_last_step = -1
         self.syncless_waits = 0
+        # The logs of the steps before go first at these events (see _sl_logs_first); the
+        # handler's own attributes, if someone set them, are put back afterwards.
         handler = self.callback_handler
-        handler_events = {name: getattr(handler, name) for name in ("on_step_end", "on_epoch_end")}
-        for name, own in handler_events.items():
-            setattr(handler, name, self._sl_logs_first(own))
+        kept = {name: vars(handler).get(name, _UNSET) for name in ("on_step_end", "on_epoch_end")}
+        for name in kept:
+            setattr(handler, name, self._sl_logs_first(getattr(handler, name)))
         ok = False
         try:
             out = super()._inner_training_loop(*args, **kwargs)
             ok = True
             return out
         finally:
-            for name in handler_events:
-                vars(handler).pop(name, None)
+            for name, own in kept.items():
+                if own is _UNSET:
+                    vars(handler).pop(name, None)
+                else:
+                    setattr(handler, name, own)
             self._sl_restore_filter()
             try:
                 if not ok:                   # still hand over every logged step
