@@ -109,3 +109,44 @@ def test_max_delay_is_public_and_defaults_to_two_seconds():
         assert log.max_delay == 2.0
     with syncless.Logger(max_delay=None) as log:
         assert log.max_delay is None
+
+
+def test_max_delay_can_be_changed_between_windows(device):
+    sink = StepAtDelivery()
+    with syncless.Logger(every=100, sinks=[sink], max_delay=None, delivery="caller") as log:
+        slow_loop(log, sink, device, 2, 0.0)
+        log.max_delay = 0                        # from the next window on
+        assert log.max_delay == 0
+        log.flush()
+        slow_loop(log, sink, device, 3, 0.0)
+        windows = log.stats.windows
+        with pytest.raises(ValueError, match="max_delay must be None or a number"):
+            log.max_delay = -2
+        assert log.max_delay == 0
+    assert windows == 1 + 3                      # the flush, then one per call
+    assert [s for s, _, _ in sink.arrived] == list(range(5))
+
+
+def test_the_adapters_use_the_loggers_bound(tmp_path, device):
+    """syncless.tensorboard's writer (and syncless.wandb's run) hand their rows over through the
+    Logger's max_delay: with every=1000 and 0.3-s steps, a scalar is written within a few steps,
+    and every one of them is in the event file after close()."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from syncless.tensorboard import SummaryWriter
+    writer = SummaryWriter(tmp_path, every=1000, max_delay=0.5)
+    seen_at = None
+    try:
+        for i in range(12):
+            if writer.latest_step >= 0:
+                seen_at = i
+                break
+            writer.add_scalar("loss", torch.tensor(float(i), device=device), i)
+            time.sleep(0.3)
+    finally:
+        writer.close()
+    assert seen_at is not None and seen_at <= 7, seen_at       # handed over at step 2
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(i, float(i))
+                                                                for i in range(seen_at)]

@@ -197,8 +197,7 @@ class Logger:
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
         self.every = every
-        self.max_delay = max_delay
-        self._max_delay = float("inf") if max_delay is None else float(max_delay)
+        self.max_delay = max_delay            # sets _max_delay, read by the hot path
         self._deadline = float("inf")         # the open window's hand-over time (see log())
         self.capacity = capacity or max(2 * every, 64)
         self._columns: dict[str, int] = {}
@@ -676,6 +675,18 @@ class Logger:
     @sinks.setter
     def sinks(self, sinks: Iterable[Any]) -> None:
         self._delivery.sinks = _check_sinks(sinks)     # a new list: the next batch uses it
+
+    @property
+    def max_delay(self) -> float | None:
+        """Seconds after a window's first row at which the next call hands it over (None: no
+        bound). Settable; a new value applies from the next window."""
+        return self._max_delay_given
+
+    @max_delay.setter
+    def max_delay(self, max_delay: float | None) -> None:
+        check_max_delay(max_delay)
+        self._max_delay_given = max_delay
+        self._max_delay = _INF if max_delay is None else float(max_delay)
 
     @property
     def closed(self) -> bool:
