@@ -977,13 +977,24 @@ def test_progress_bar_shows_a_value_by_the_second_batch(tmp_path, device):
     plain, ours = native["seen1"], fast["seen1"]
     assert len(plain) == len(ours) == 32
     assert ours[0] == ({}, "v_num=0")               # batch 0's row is logged after its hooks
-    metrics, postfix = ours[1]
-    assert metrics == {"train_loss_step": plain[0][0]["train_loss_step"]}
-    assert postfix == plain[0][1]                   # the text the terminal showed, same digits
-    if device == "cpu":                             # host rows: no GPU to wait for
-        history = [m["train_loss_step"] for m, _ in plain]
-        late = [i - history.index(m["train_loss_step"]) for i, (m, _) in enumerate(ours[1:], 1)]
-        assert all(1 <= d <= 16 for d in late), late
+    history = [m["train_loss_step"] for m, _ in plain]
+    if device == "cpu":                             # host rows: handed over at once
+        metrics, postfix = ours[1]
+        assert metrics == {"train_loss_step": history[0]}
+        assert postfix == plain[0][1]               # the text the terminal showed, same digits
+        shown = ours[1:]
+    else:
+        # Once the GPU finished batch 0 and the delivery thread decoded it: usually by batch 1,
+        # here within 8 batches (a window of 16 before the first batch was sent at once).
+        first = next(i for i, (m, _) in enumerate(ours) if m)
+        assert first <= 8, first
+        assert ours[first][0] == {"train_loss_step": history[0]}
+        shown = ours[first:]
+    late = [i - history.index(m["train_loss_step"])
+            for i, (m, _) in enumerate(shown, len(ours) - len(shown))]
+    # A window's last row is handed over by its 16th batch (sooner after max_delay), so shown
+    # at most 16 batches later without a GPU; the delivery thread's lag on top with one.
+    assert all(1 <= d <= (16 if device == "cpu" else 24) for d in late), late
     for key in ("csv0", "tb1", "callback_metrics", "logged_metrics", "progress_bar_metrics",
                 "bar0"):
         assert fast[key] == native[key], key
