@@ -1026,9 +1026,26 @@ class Recording(pl.loggers.Logger):
         pass
 
 
+class RecordingTB(TensorBoardLogger):
+    """TensorBoardLogger, keeping the shape of each log_metrics call it gets (its own
+    log_hyperparams calls it positionally: `log_metrics({"hp_metric": -1}, None)`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def log_metrics(self, *args, **kwargs):
+        self.calls.append((len(args), sorted(kwargs)))
+        super().log_metrics(*args, **kwargs)
+
+
 class PositionalCalls(OnStepEpoch):
     """The user's own calls, positional and keyword, between batches whose rows are on their
-    way."""
+    way; hyperparameters saved, so TensorBoardLogger logs its hp_metric."""
+
+    def __init__(self, lr=0.1):
+        super().__init__(lr)
+        self.save_hyperparameters()
 
     def training_step(self, batch, batch_idx):
         lg = self.loggers[0]
@@ -1045,9 +1062,9 @@ def test_log_metrics_calls_keep_the_callers_shape(tmp_path, device):
     runs = {}
     for kind in ("native", "syncless"):
         pl.seed_everything(0, verbose=False)
-        rec = Recording()
+        rec, tb = Recording(), RecordingTB(tmp_path / kind, name="tb")
         cbs = [SynclessLogging(every=4)] if kind == "syncless" else []
-        trainer = pl.Trainer(max_epochs=1, logger=rec, callbacks=cbs, log_every_n_steps=2,
+        trainer = pl.Trainer(max_epochs=1, logger=[rec, tb], callbacks=cbs, log_every_n_steps=2,
                              accelerator="cpu" if device == "cpu" else "gpu", devices=1,
                              enable_checkpointing=False, enable_model_summary=False,
                              enable_progress_bar=False, default_root_dir=tmp_path / kind)
@@ -1055,6 +1072,9 @@ def test_log_metrics_calls_keep_the_callers_shape(tmp_path, device):
             warnings.simplefilter("ignore")
             trainer.fit(PositionalCalls(), _data())
         runs[kind] = rec.calls
+        runs[kind + "-tb"] = tb.calls
+    assert runs["native-tb"][0] == (2, [])               # log_metrics({"hp_metric": -1}, None)
+    assert runs["syncless-tb"] == runs["native-tb"]
     calls = runs["native"]
     assert (({"pos": 0.0}, 0), {}) in calls and (({"pos_only": 1.0},), {}) in calls
     assert ((), {"metrics": {"kw": 2.0}, "step": 0}) in calls
