@@ -287,3 +287,102 @@ def test_cuda_zero_syncs_per_step(tmp_path, kw):
     # Native: the filter's two reads per step (measured on the H200: 78 in 39 steps).
     assert counts["Trainer"][0] >= 40 * 2, counts
     assert counts["SynclessTrainer"][0] == 0, counts
+
+
+# ---- on_log's place among the callback events, and the batch copies ----------------------------
+
+class Events(TrainerCallback):
+    """The order in which on_step_end, on_log and on_epoch_end reach a callback, with the step
+    each sees, and the log_history length on_step_end sees."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_step_end(self, args, state, control, **kw):
+        self.events.append(("step_end", state.global_step, len(state.log_history)))
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.events.append(("log", state.global_step, sorted(_strip(logs))))
+
+    def on_epoch_end(self, args, state, control, **kw):
+        self.events.append(("epoch_end", state.global_step, len(state.log_history)))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(logging_first_step=True, logging_steps=2, gradient_accumulation_steps=2,
+         num_train_epochs=2, data=Data(n=24)),
+    pytest.param(dict(logging_steps=1, include_num_input_tokens_seen="non_padding"),
+                 marks=pytest.mark.slow),
+], ids=["first-step-ga2-two-epochs", "every-step-device-tokens"])
+def test_on_log_comes_before_the_next_steps_on_step_end(tmp_path, kw):
+    """Issue 28: each logging step's on_log (logging_first_step's included) reaches callbacks
+    before the next step's on_step_end and before on_epoch_end, as with the Trainer, whether or
+    not the delivery thread was quick."""
+    native_events, fast_events = Events(), Events()
+    native, n_seen = _train(tmp_path, Trainer, callbacks=[native_events], **kw)
+    fast, f_seen = _train(tmp_path, SynclessTrainer, callbacks=[fast_events], **kw)
+    # logging_first_step (or logging_steps=1): step 1's log between steps 1 and 2.
+    assert [e[:2] for e in native_events.events[:3]] == [("step_end", 1), ("log", 1),
+                                                          ("step_end", 2)]
+    assert native_events.events[2][2] == 1            # step 2's on_step_end sees that log
+    assert fast_events.events == native_events.events
+    assert _history(fast) == _history(native)
+    assert f_seen.logs == n_seen.logs
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(), True),                                          # pinned by default: on
+    (dict(dataloader_pin_memory=False), False),              # pageable: nothing to gain
+    (dict(fast_kw=dict(syncless_non_blocking=False)), False),
+    (dict(dataloader_pin_memory=False, fast_kw=dict(syncless_non_blocking=True)), True),
+    (dict(accelerator_config={"non_blocking": True}), True),
+])
+def test_batch_copies_are_non_blocking_when_the_loader_pins(tmp_path, kw, expected):
+    """What accelerator_config={"non_blocking": True} does, for the Accelerator only: the
+    user's TrainingArguments keep what they wrote (they are saved with checkpoints)."""
+    fast_kw = kw.pop("fast_kw", {})
+    # Not use_cpu=True: that turns pinning off (on a machine without a GPU, pinning is on but
+    # does nothing; the setting is what is tested here).
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                             per_device_train_batch_size=4, max_steps=4, logging_steps=2,
+                             save_strategy="no", disable_tqdm=True, seed=0, **kw)
+    written = args.accelerator_config.non_blocking
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = SynclessTrainer(model=Tiny(), args=args, train_dataset=Data(), **fast_kw)
+        native = Trainer(model=Tiny(), args=args, train_dataset=Data())
+    assert trainer.accelerator.non_blocking is expected
+    assert native.accelerator.non_blocking is written
+    assert args.accelerator_config.non_blocking is written
+
+
+def test_bad_non_blocking_setting_is_refused(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="syncless_non_blocking must be True, False or None, "
+                                         "got 'yes'"):
+        SynclessTrainer(model=Tiny(), args=args, train_dataset=Data(), syncless_non_blocking="yes")
+
+
+@pytest.mark.cuda
+def test_cuda_pinned_batches_cost_no_sync(tmp_path):
+    """The batches come from host memory through the pinned loader (the Trainer's default): the
+    Trainer's copies wait for the GPU, SynclessTrainer's do not. With gradient accumulation 2,
+    logging every 10 steps, on_log before the next on_step_end, and log_history identical."""
+    counts, histories = {}, {}
+    for cls in (Trainer, SynclessTrainer):
+        counter = SyncCounter(10, 49)
+        args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), report_to=[],
+                                 per_device_train_batch_size=4, max_steps=60, save_strategy="no",
+                                 disable_tqdm=True, seed=0, logging_steps=10,
+                                 gradient_accumulation_steps=2)
+        torch.manual_seed(0)
+        trainer = cls(model=Tiny(), args=args, train_dataset=Data(n=512), callbacks=[counter])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        counts[cls.__name__] = (counter.syncs.count, counter.syncs.sites)
+        histories[cls.__name__] = _history(trainer)
+    assert counts["Trainer"][0] >= 40 * 2 * 4, counts        # 4 tensors per micro-batch
+    assert counts["SynclessTrainer"][0] == 0, counts
+    assert histories["SynclessTrainer"] == histories["Trainer"]

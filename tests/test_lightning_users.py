@@ -951,3 +951,144 @@ def test_two_callbacks_refused(tmp_path, device):
         with pytest.raises(ValueError, match="the Trainer has 2 of them"):
             trainer.fit(module, _data())
     assert "log" not in vars(module) and trainer.global_step == 0
+
+
+class PbarAt(Callback):
+    """trainer.progress_bar_metrics and the TQDM bar's postfix after each batch of epoch 0."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0:
+            bar = trainer.progress_bar_callback.train_progress_bar
+            self.seen.append(({k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+                              bar.postfix))
+
+
+def test_progress_bar_shows_a_value_by_the_second_batch(tmp_path, device):
+    """SynclessLogging's defaults (every=16): the first window would be copied back after 16
+    batches; the fit's first batch is copied back at once instead, so the bar shows it at the
+    second batch and the values that follow are those Lightning showed, a few batches late."""
+    native, fast = fit_both(
+        tmp_path, device, OnStepEpoch, every=16, train=lambda: _data(64, 2),
+        enable_progress_bar=True, max_epochs=1,
+        callbacks=lambda root: [TQDMProgressBar(refresh_rate=1), PbarAt()])
+    plain, ours = native["seen1"], fast["seen1"]
+    assert len(plain) == len(ours) == 32
+    assert ours[0] == ({}, "v_num=0")               # batch 0's row is logged after its hooks
+    history = [m["train_loss_step"] for m, _ in plain]
+    if device == "cpu":                             # host rows: handed over at once
+        metrics, postfix = ours[1]
+        assert metrics == {"train_loss_step": history[0]}
+        assert postfix == plain[0][1]               # the text the terminal showed, same digits
+        shown = ours[1:]
+    else:
+        # Once the GPU finished batch 0 and the delivery thread decoded it: usually by batch 1,
+        # here within 8 batches (a window of 16 before the first batch was sent at once).
+        first = next(i for i, (m, _) in enumerate(ours) if m)
+        assert first <= 8, first
+        assert ours[first][0] == {"train_loss_step": history[0]}
+        shown = ours[first:]
+    late = [i - history.index(m["train_loss_step"])
+            for i, (m, _) in enumerate(shown, len(ours) - len(shown))]
+    # A window's last row is handed over by its 16th batch (sooner after max_delay), so shown
+    # at most 16 batches later without a GPU; the delivery thread's lag on top with one.
+    assert all(1 <= d <= (16 if device == "cpu" else 24) for d in late), late
+    for key in ("csv0", "tb1", "callback_metrics", "logged_metrics", "progress_bar_metrics",
+                "bar0"):
+        assert fast[key] == native[key], key
+
+
+class Recording(pl.loggers.Logger):
+    """A logger that keeps each log_metrics call exactly as it was made (a mock would see the
+    same): positional or keyword arguments, and which argument carried what."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    @property
+    def name(self):
+        return "recording"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_metrics(self, *args, **kwargs):
+        self.calls.append((tuple({k: round(float(v), 6) for k, v in a.items()}
+                                 if isinstance(a, dict) else a for a in args),
+                           {k: ({m: round(float(v), 6) for m, v in a.items()}
+                                if isinstance(a, dict) else a) for k, a in kwargs.items()}))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+class RecordingTB(TensorBoardLogger):
+    """TensorBoardLogger, keeping the shape of each log_metrics call it gets (its own
+    log_hyperparams calls it positionally: `log_metrics({"hp_metric": -1}, None)`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def log_metrics(self, *args, **kwargs):
+        self.calls.append((len(args), sorted(kwargs)))
+        super().log_metrics(*args, **kwargs)
+
+
+class PositionalCalls(OnStepEpoch):
+    """The user's own calls, positional and keyword, between batches whose rows are on their
+    way; hyperparameters saved, so TensorBoardLogger logs its hp_metric."""
+
+    def __init__(self, lr=0.1):
+        super().__init__(lr)
+        self.save_hyperparameters()
+
+    def training_step(self, batch, batch_idx):
+        lg = self.loggers[0]
+        lg.log_metrics({"pos": float(batch_idx)}, self.global_step)
+        lg.log_metrics({"pos_only": 1.0})
+        lg.log_metrics(metrics={"kw": 2.0}, step=self.global_step)
+        lg.log_metrics({"mixed": 3.0}, step=self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+def test_log_metrics_calls_keep_the_callers_shape(tmp_path, device):
+    """Issue 28 item 5: a log_metrics call that waits behind step rows reaches the logger as the
+    user's code made it; Lightning's own calls (keywords) stay keywords."""
+    runs = {}
+    for kind in ("native", "syncless"):
+        pl.seed_everything(0, verbose=False)
+        rec, tb = Recording(), RecordingTB(tmp_path / kind, name="tb")
+        cbs = [SynclessLogging(every=4)] if kind == "syncless" else []
+        trainer = pl.Trainer(max_epochs=1, logger=[rec, tb], callbacks=cbs, log_every_n_steps=2,
+                             accelerator="cpu" if device == "cpu" else "gpu", devices=1,
+                             enable_checkpointing=False, enable_model_summary=False,
+                             enable_progress_bar=False, default_root_dir=tmp_path / kind)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(PositionalCalls(), _data())
+        runs[kind] = rec.calls
+        runs[kind + "-tb"] = tb.calls
+    assert runs["native-tb"][0] == (2, [])               # log_metrics({"hp_metric": -1}, None)
+    assert runs["syncless-tb"] == runs["native-tb"]
+    calls = runs["native"]
+    assert (({"pos": 0.0}, 0), {}) in calls and (({"pos_only": 1.0},), {}) in calls
+    assert ((), {"metrics": {"kw": 2.0}, "step": 0}) in calls
+    assert (({"mixed": 3.0},), {"step": 0}) in calls
+    assert runs["syncless"] == calls
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(every=True), "every must be a positive int, got True"),
+    (dict(every=0), "every must be a positive int, got 0"),
+    (dict(every=2.0), "every must be a positive int, got 2.0"),
+    (dict(max_delay=-1), "max_delay must be None or a number of seconds >= 0, got -1"),
+    (dict(max_delay="1"), "max_delay must be None or a number of seconds >= 0, got '1'"),
+])
+def test_bad_settings_are_refused(kw, text):
+    with pytest.raises(ValueError, match="SynclessLogging: " + text):
+        SynclessLogging(**kw)

@@ -25,13 +25,12 @@ import logging
 import math
 import numbers
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ._torch import MAX_CELLS     # the gather kernel's cells per log() call
-from .logger import Logger
+from .logger import Logger, check_max_delay
 
 _log = logging.getLogger("syncless")
 
@@ -48,11 +47,7 @@ _good_names: set[str] = set()      # names check_name() passed
 def check_every(every: Any, max_delay: Any) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive int, got {every!r}")
-    if max_delay is not None and (isinstance(max_delay, bool)
-                                  or not isinstance(max_delay, (int, float))
-                                  or not max_delay >= 0):
-        raise ValueError(f"max_delay must be None or a number of seconds >= 0, got "
-                         f"{max_delay!r}")
+    check_max_delay(max_delay)
 
 
 def check_name(name: Any, what: str = "metric") -> None:
@@ -123,7 +118,7 @@ class Deferred:
                  step_name: str = "step", step_of: Callable[[Any], Any] | None = None):
         check_every(every, max_delay)
         self.every = every
-        self.max_delay = max_delay          # seconds after which a put() hands rows over anyway
+        self.max_delay = max_delay          # the private Logger's: rows handed over that late
         self.failures = failures
         self._replay = replay
         self._describe = describe
@@ -133,7 +128,6 @@ class Deferred:
         self._pending: dict[int, Any] = {}  # sequence number -> (record, n, step, wall) or part
         self._carry: dict[str, float] = {}  # cells of a wide record's earlier rows
         self._seq = 0
-        self._handed = time.monotonic()
         self._logger: Logger | None = None
 
     @property
@@ -190,7 +184,8 @@ class Deferred:
                 # sinks_on="all": on every rank of a distributed job, each writer writes its own.
                 # threads=True: callers may put() from any thread (serialised by our lock).
                 log = self._logger = Logger(every=self.every, sinks=[_Rows(self._deliver)],
-                                            sinks_on="all", threads=True)
+                                            sinks_on="all", threads=True,
+                                            max_delay=self.max_delay)
             first = seq = self._seq
             try:
                 if len(cells) <= MAX_CELLS:
@@ -211,11 +206,6 @@ class Deferred:
                     raise self._renamed(exc, cells, names) from None
                 raise
             self._seq = seq + 1
-            if self.max_delay is not None:
-                now = time.monotonic()
-                if now - self._handed >= self.max_delay:
-                    self._handed = now
-                    log.flush(wait=False)           # enqueues one copy; never waits
 
     def _renamed(self, exc: Exception, cells: dict, names: Sequence[str]) -> Exception:
         """The Logger's error about a private column, told with the user's name for it."""

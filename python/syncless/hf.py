@@ -58,23 +58,27 @@ the trainer waits for the logged steps (one wait), so that `log_history` and `tr
 hold every logging step in order; `_finalize_training` reads the remaining loss once
 (`.item()`, as the Trainer does); in multi-process runs `store_flos` still broadcasts and
 `.item()`s the FLOP count at each logging step; the waits above (`syncless_log_at_step`, a log()
-of your own). Untouched: the batch's host-to-device copies
-(`accelerator_config={"non_blocking": True}` with the default pinned memory makes those
-asynchronous too), a learning rate kept as a tensor (`_get_learning_rate` reads it every step),
+of your own). The batch's host-to-device copies are made non-blocking when the loader pins
+memory (the default; see `syncless_non_blocking`), so they no longer wait for the GPU.
+Untouched: a learning rate kept as a tensor (`_get_learning_rate` reads it every step),
 DeepSpeed's grad norm (a float already), evaluation, and XLA (the class does nothing there).
 
 Delivered late (unless `syncless_log_at_step`): `log()`, so `on_log`/`report_to`/`log_history`,
-runs when the logging step's row arrives: the trainer takes rows as the GPU finishes them, at
-the next optimizer steps, so at the same step or a later one (on CPU the delivery thread may
-win the race and hand it over at the same step). A callback reading `state.log_history` in
-`on_step_end` sees a row a step or more later; one that stops training (or asks for a save or an
-evaluation) from `on_log` acts at the step where the row arrived, not at the logging step: pass
-`syncless_log_at_step=True` if that step must be the Trainer's. What an `on_log` callback reads
-beyond `logs` and the state fields set back (the model's weights, the optimizer, the scheduler,
-counters of its own) is as of that later step too. `state.num_input_tokens_seen`
-of a device count lags between logging steps (it holds the last delivered row's count: the
-last logging step, or the last window of `trainer.syncless`); it is exact at every log, save,
-evaluation and the end, and a host count (`"all"`) is never late.
+runs when the logging step's row arrives, and before the next optimizer step's `on_step_end` (or
+the epoch's `on_epoch_end`) at the latest, as with the Trainer (`logging_first_step` included):
+if the row is not there yet, the trainer waits for it there (counted in
+`trainer.syncless_waits`). One step after the logging step, the GPU still has that next step's
+work queued, so it does not idle meanwhile, and a host slower than the GPU finds the row there
+already; at `on_epoch_end` right after a logging step the wait is a full one (once per epoch).
+A callback reading `state.log_history` in that next step's `on_step_begin` or
+`on_optimizer_step` may not see it yet; one that stops training (or asks for a save or an
+evaluation) from `on_log` acts at the step where the row arrived (the next one), not at the
+logging step: pass `syncless_log_at_step=True` if that step must be the Trainer's. What an
+`on_log` callback reads beyond `logs` and the state fields set back (the model's weights, the
+optimizer, the scheduler, counters of its own) is as of that later step too.
+`state.num_input_tokens_seen` of a device count lags between logging steps (it holds the last
+delivered row's count: the last logging step, or the last window of `trainer.syncless`); it is
+exact at every log, save, evaluation and the end, and a host count (`"all"`) is never late.
 """
 from __future__ import annotations
 
@@ -91,6 +95,7 @@ __all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
 
 _log = logging.getLogger("syncless")
 _INF = float("inf")
+_UNSET = object()
 _classes: dict[str, type] = {}
 
 
@@ -136,8 +141,13 @@ class SynclessTrainerMixin:
         `trainer.syncless` is then None and the logging steps are all that is recorded.
     syncless_log_at_step: True calls `log()` (so `on_log`, `report_to`, `log_history`) at its
         logging step, as the Trainer does, after one wait for that step's values; False when
-        they arrive (a step or more later); None (default): True when a class of the trainer
-        overrides `log()` (TRL's trainers do), False otherwise.
+        they arrive, before the next step's `on_step_end` at the latest; None (default): True
+        when a class of the trainer overrides `log()` (TRL's trainers do), False otherwise.
+    syncless_non_blocking: True (None, the default, when `dataloader_pin_memory` is on) copies
+        each batch to the device without blocking the host, as
+        `accelerator_config={"non_blocking": True}` does; False leaves the copies as
+        `accelerator_config` says (the Trainer cannot tell its default `non_blocking: False`
+        from one the user wrote, so an explicit False must be said here).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -153,13 +163,18 @@ class SynclessTrainerMixin:
 
     def __init__(self, *args: Any, syncless_every: int = 50,
                  syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
-                 syncless_log_at_step: bool | None = None, **kwargs: Any):
+                 syncless_log_at_step: bool | None = None,
+                 syncless_non_blocking: bool | None = None, **kwargs: Any):
         if isinstance(syncless_every, bool) or not isinstance(syncless_every, int) \
                 or syncless_every < 1:
             raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
         if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
             raise ValueError(f"syncless_log_at_step must be True, False or None, got "
                              f"{syncless_log_at_step!r}")
+        if not (syncless_non_blocking is None or isinstance(syncless_non_blocking, bool)):
+            raise ValueError(f"syncless_non_blocking must be True, False or None, got "
+                             f"{syncless_non_blocking!r}")
+        self.syncless_non_blocking = syncless_non_blocking
         if syncless_log_at_step is None:
             syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
                                        if c is not SynclessTrainerMixin and not _is_trainer(c))
@@ -180,7 +195,24 @@ class SynclessTrainerMixin:
         self._sl_active = False
         self._sl_filter_off = False
         self._sl_delivering = False
+        self.syncless_waits = 0              # waits for a logging step's row (see the docstring)
         super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # The batch's host-to-device copy without a wait (accelerate's DataLoader config, read
+        # here from args.accelerator_config): set for the Accelerator's creation only, so the
+        # user's arguments (saved with checkpoints) stay as they were written.
+        config = getattr(self.args, "accelerator_config", None)
+        on = self.syncless_non_blocking
+        if on is None:
+            on = bool(getattr(self.args, "dataloader_pin_memory", False))
+        if not on or config is None or getattr(config, "non_blocking", True):
+            return super().create_accelerator_and_postprocess()
+        config.non_blocking = True
+        try:
+            return super().create_accelerator_and_postprocess()
+        finally:
+            config.non_blocking = False
 
     # ---- the training run ----------------------------------------------------------------
 
@@ -203,12 +235,24 @@ class SynclessTrainerMixin:
         self._sl_tokens: torch.Tensor | None = None
         self._sl_filter_off = False
         self._sl_last_step = -1
+        self.syncless_waits = 0
+        # The logs of the steps before go first at these events (see _sl_logs_first); the
+        # handler's own attributes, if someone set them, are put back afterwards.
+        handler = self.callback_handler
+        kept = {name: vars(handler).get(name, _UNSET) for name in ("on_step_end", "on_epoch_end")}
+        for name in kept:
+            setattr(handler, name, self._sl_logs_first(getattr(handler, name)))
         ok = False
         try:
             out = super()._inner_training_loop(*args, **kwargs)
             ok = True
             return out
         finally:
+            for name, own in kept.items():
+                if own is _UNSET:
+                    vars(handler).pop(name, None)
+                else:
+                    setattr(handler, name, own)
             self._sl_restore_filter()
             try:
                 if not ok:                   # still hand over every logged step
@@ -376,6 +420,27 @@ class SynclessTrainerMixin:
         return super()._finalize_training(*args, **kwargs)
 
     # ---- delivery, on the training thread -------------------------------------------------
+
+    def _sl_logs_first(self, own: Any) -> Any:
+        """The callback handler's on_step_end (on_epoch_end): the logs of the steps before go
+        first, as with the Trainer, whose log() runs at the logging step. Waiting for them here,
+        a step later, leaves the GPU the work of that step to do meanwhile; a host that is
+        slower than the GPU finds them there already and does not wait."""
+
+        def event(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if self._sl_pending and self._sl_active:
+                self._sl_logs_now()
+            return own(args, state, control, **kwargs)
+
+        return event
+
+    def _sl_logs_now(self) -> None:
+        """log() every pending logging step now, waiting (counted) for rows not yet here."""
+        rows = self._sl_rows.rows
+        if len(rows) < len(self._sl_pending):
+            self.syncless_waits += 1
+            self._sl_records.flush()
+        self._sl_drain()
 
     def _sl_drain(self, wait: bool = False) -> None:
         if wait:

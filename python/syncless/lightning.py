@@ -55,7 +55,11 @@ BatchSizeFinder callbacks) swap the callbacks and loggers out: they log as they 
 the callback.
 
 Delivered late: step values reach the loggers and the progress bar when their window is copied
-back (every `every` batches, default 16, a few steps behind).
+back: every `every` batches (default 16), or at the first batch `max_delay` seconds (default
+0.5) after the window's first batch when batches are slow, and the first batch of a fit at once,
+so the bar shows a value from the second batch (on a GPU, as soon as the GPU has finished the
+first one). A `log_metrics` call of the user's that waits behind step rows reaches the logger as
+it was made (positional or keyword arguments).
 
 Still synced, on purpose:
 - before each validation run and at each training epoch end, the callback waits for the logged
@@ -72,6 +76,7 @@ Still synced, on purpose:
 from __future__ import annotations
 
 import collections
+import copy
 import importlib
 import numbers
 import weakref
@@ -81,7 +86,7 @@ import torch
 
 from ._delivery import RESERVED
 from ._torch import MAX_CELLS
-from .logger import Logger, _check_sinks
+from .logger import Logger, _check_sinks, check_max_delay
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 
@@ -116,14 +121,14 @@ class _Direct:
     """A `log_metrics` call that reached a logger from elsewhere (LearningRateMonitor, the user's
     `self.logger.log_metrics`, ...) while step rows logged before it were still on their way: it
     waits for them, so that the logger sees the calls in Lightning's order."""
-    __slots__ = ("logger", "metrics", "step")
+    __slots__ = ("send", "args", "kwargs")
     rows = 0
     log_now = False
 
-    def __init__(self, logger: Any, metrics: dict, step: int | None):
-        self.logger = logger
-        self.metrics = metrics
-        self.step = step
+    def __init__(self, send: Any, args: tuple, kwargs: dict):
+        self.send = send                 # the logger's own log_metrics
+        self.args = args                 # the call as the caller made it (positional or not)
+        self.kwargs = kwargs
 
 
 class _KeptOpen:
@@ -169,18 +174,30 @@ def _build(pkg_name: str) -> type:
         """Route on-step `self.log` values through a syncless Logger (see the module docstring).
 
         every: batches per device-to-host copy (how late the progress bar and loggers are).
+        max_delay: seconds after which a batch's values are copied back anyway, when `every`
+            batches take longer (the Logger's max_delay; None: only every `every` batches).
+            The first batch of each fit is copied back at once, so the progress bar shows a
+            value from the second batch (on a GPU: once the GPU finished the first batch).
         sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
-            Lightning's step, from the delivery thread. A metric named `step` or `time` (the
+            Lightning's step, from the delivery thread (on a GPU; without one, from the
+            training thread as each window is handed over: no thread is needed to wait for
+            copies there). A metric named `step` or `time` (the
             rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
             metrics than one gather kernel holds (248) comes as several rows at its step. The
             sinks are flushed at the end of every fit and stay open for the next one (one
             callback can serve several fits): close them when you are done.
         """
 
-        def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = ()):
-            if not isinstance(every, int) or every < 1:
+        def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = (),
+                     max_delay: float | None = 0.5):
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
+            try:
+                check_max_delay(max_delay)
+            except ValueError as exc:
+                raise ValueError(f"SynclessLogging: {exc}") from None
             self.every = every
+            self.max_delay = max_delay
             self._user_sinks = _check_sinks(sinks)   # the Logger's own checks, at once
             self.syncless: Logger | None = None
             self._rows = _Rows()
@@ -199,10 +216,10 @@ def _build(pkg_name: str) -> type:
         def __getstate__(self) -> dict:
             # What a pickle or deepcopy carries (ddp_spawn pickles the trainer with its
             # callbacks): the settings; a fit's Logger, thread and hooks are its own.
-            return {"every": self.every, "sinks": self._user_sinks}
+            return {"every": self.every, "sinks": self._user_sinks, "max_delay": self.max_delay}
 
         def __setstate__(self, state: dict) -> None:
-            self.__init__(state["every"], state["sinks"])
+            self.__init__(state["every"], state["sinks"], state.get("max_delay", 0.5))
 
         # ---- the log replacement ------------------------------------------------------------
 
@@ -328,10 +345,13 @@ def _build(pkg_name: str) -> type:
                 # Lightning's step can go back within a fit (a loop state loaded again); the
                 # loggers get batch.step, a Logger row never goes behind the one before it.
                 step = max(batch.step, self.syncless.last_step)
+                first = self.syncless.last_step < 0
                 for at in range(0, len(items), MAX_CELLS):
                     self.syncless.log(dict(items[at:at + MAX_CELLS]), step=step)
                     batch.rows += 1
                 self._pending = {}
+                if first:
+                    self.syncless.flush(wait=False)   # the bar's first value: one copy, no wait
             self._batches.append(batch)
 
         # ---- delivery, on the training thread -----------------------------------------------
@@ -360,7 +380,7 @@ def _build(pkg_name: str) -> type:
                                 pbar[k] = v
                 batches.popleft()
                 if isinstance(batch, _Direct):
-                    self._send(batch.logger, batch.metrics, batch.step)
+                    batch.send(*batch.args, **batch.kwargs)
                 elif batch.log_now and batch.keys:
                     self._emit(trainer, batch)
             if pbar:
@@ -390,21 +410,14 @@ def _build(pkg_name: str) -> type:
 
         def _watch_loggers(self, trainer: Any) -> None:
             """Every configured logger's log_metrics, while fit runs: calls made by others wait
-            behind the step rows logged before them (see _Direct)."""
+            behind the step rows logged before them (see _Direct), and reach the logger as they
+            were made (positional or keyword arguments, the same metrics object when not
+            waiting; a copy of it, taken at the call, when waiting)."""
             cb = self
             for lg in trainer.loggers:
                 own = lg.log_metrics
-
-                def log_metrics(metrics: Any, step: int | None = None, _lg: Any = lg,
-                                _own: Any = own) -> None:
-                    if cb._batches and not cb.syncless.closed:
-                        cb._batches.append(_Direct(_lg, dict(metrics), step))
-                        cb._drain(trainer)
-                    else:
-                        _own(metrics=metrics, step=step)
-
                 self._loggers.append((lg, own, "log_metrics" in vars(lg)))
-                lg.log_metrics = log_metrics
+                lg.log_metrics = self._ordered(trainer, own)
 
             connector = trainer._logger_connector
             own_update = connector.update_train_step_metrics
@@ -416,6 +429,19 @@ def _build(pkg_name: str) -> type:
             self._connector = (connector, "update_train_step_metrics" in vars(connector),
                                own_update)
             connector.update_train_step_metrics = update_train_step_metrics
+
+        def _ordered(self, trainer: Any, own: Any) -> Any:
+            cb = self
+
+            def log_metrics(*args: Any, **kwargs: Any) -> Any:
+                if cb._batches and not cb.syncless.closed:
+                    args, kwargs = _copy_metrics(args, kwargs)
+                    cb._batches.append(_Direct(own, args, kwargs))
+                    cb._drain(trainer)
+                    return None
+                return own(*args, **kwargs)
+
+            return log_metrics
 
         def _unwatch_loggers(self) -> None:
             for lg, own, patched in self._loggers:
@@ -455,7 +481,13 @@ def _build(pkg_name: str) -> type:
                 raise ValueError(
                     f"SynclessLogging: the Trainer has {len(twins) + 1} of them in its callbacks; "
                     "keep one (each would take every value, and the loggers would get them twice)")
-            self.syncless = Logger(every=self.every, sinks_on="all",
+            # The rows go to the hooks of this thread through a deque: without a GPU the Logger
+            # hands them over itself (delivery="caller": host rows are out at the hand-over, so
+            # the first batch's values are on the bar by the second), with one a thread waits
+            # for the copies.
+            on_gpu = trainer.strategy.root_device.type == "cuda"
+            self.syncless = Logger(every=self.every, sinks_on="all", max_delay=self.max_delay,
+                                   delivery="thread" if on_gpu else "caller",
                                    sinks=[self._rows, *map(_KeptOpen, self._user_sinks)])
             if self._trainer is None or self._trainer() is not trainer:
                 # Lightning keeps a trainer's results (and our flags on their metas) from one
@@ -513,6 +545,23 @@ def _build(pkg_name: str) -> type:
     SynclessLogging.__module__ = __name__
     SynclessLogging.__qualname__ = "SynclessLogging"
     return SynclessLogging
+
+
+def _copy_metrics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A log_metrics call kept for later, with its metrics copied as they are now (the caller
+    may reuse the dict), in the same argument it came in."""
+    if args:
+        return (_copy(args[0]), *args[1:]), kwargs
+    if "metrics" in kwargs:
+        return args, {**kwargs, "metrics": _copy(kwargs["metrics"])}
+    return args, kwargs
+
+
+def _copy(metrics: Any) -> Any:
+    try:
+        return copy.copy(metrics)
+    except Exception:
+        return metrics
 
 
 def _valid(metric: Any) -> bool:

@@ -47,6 +47,7 @@ _get_ident = threading.get_ident
 _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first call / threads=True
 _DELIVERING = -3                             # ... while delivery="caller" runs the sinks
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
+_INF = float("inf")
 
 # ---- a hand-over no signal handler can cut in two ------------------------------------------------
 # Python runs signal handlers (Ctrl-C's KeyboardInterrupt) on the main thread between bytecodes, so
@@ -109,6 +110,14 @@ class _Window:
         self.nbytes = nbytes
 
 
+def check_max_delay(max_delay: Any) -> None:
+    if max_delay is not None and (isinstance(max_delay, bool)
+                                  or not isinstance(max_delay, (int, float))
+                                  or not max_delay >= 0):
+        raise ValueError(f"max_delay must be None or a number of seconds >= 0, got "
+                         f"{max_delay!r}")
+
+
 def _check_sinks(sinks: Any) -> list:
     if hasattr(sinks, "write"):
         return [sinks]
@@ -141,6 +150,16 @@ class Logger:
     `gpu_time=True` adds `gpu/step_ms` (GPU time between consecutive rows) and `gpu/lag_ms` (how
     far the GPU trails the CPU) to every row, and keeps the GPU clock per step (gpu_steps()).
 
+    `max_delay` (seconds, default 2.0; None: no bound): a row reaches the sinks about
+    `max_delay` after its call at the latest, even when `every` calls take longer (slow steps):
+    the first call at or past that time after the window's first row hands the window over
+    early, as the `every`-th call would (one copy, no sync; the test is a comparison with the
+    clock reading each call already makes). The clock is only read in calls: rows logged
+    before the loop stops calling (a long evaluation) wait for the next call, flush() or
+    close(); call `log.flush(wait=False)` before such a pause to send them (no wait). With
+    delivery="caller" rows reach the sinks one flush later, so about twice `max_delay`. Calls
+    inside torch.compile'd code and CUDA graph replays are not bounded (no host code runs).
+
     `delivery="thread"` (default): a thread of the logger's decodes the rows and calls the sinks.
     `delivery="caller"`: the logging thread does it itself, at each flush, for the copies that
     have landed by then (an event query; it waits only when every window is undelivered), so
@@ -153,10 +172,11 @@ class Logger:
                  device: str | int | torch.device | None = None, capacity: int | None = None,
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
-                 delivery: str = "thread"):
+                 delivery: str = "thread", max_delay: float | None = 2.0):
         for name, v in (("every", every), ("windows", windows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_max_delay(max_delay)
         if capacity is not None:
             if isinstance(capacity, bool) or not isinstance(capacity, int):
                 raise ValueError(f"capacity must be an int, got {capacity!r}")
@@ -178,6 +198,8 @@ class Logger:
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
         self.every = every
+        self.max_delay = max_delay            # sets _max_delay, read by the hot path
+        self._deadline = float("inf")         # the open window's hand-over time (see log())
         self.capacity = capacity or max(2 * every, 64)
         self._columns: dict[str, int] = {}
         self._names: list[str] = []
@@ -260,8 +282,11 @@ class Logger:
         if captured:
             self._gen.captured = True
             return                                   # nothing else may happen under capture
-        self._since_flush += 1
-        if self._since_flush >= self.every or self._flush_due:
+        since = self._since_flush
+        if not since:                                # the window's first row sets its deadline
+            self._deadline = -_INF if self._flush_due else now + self._max_delay
+        self._since_flush = since + 1
+        if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
     def _gather_failed(self, ring: Any, metrics: dict, before: tuple, given: int, now: float,
@@ -371,22 +396,30 @@ class Logger:
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
             self._add_columns(metrics)
-            if not self._launch(metrics, step, step, time.time()):
-                self._since_flush += 1
-                if self._since_flush >= self.every:
-                    self._flush_window()
+            now = time.time()
+            if not self._launch(metrics, step, step, now):
+                self._count_row(now)
             return
         self._add_columns(metrics)
-        row = Row(step, time.time(), values)
+        now = time.time()
+        row = Row(step, now, values)
         # The counters first, the row last: an interrupt between them leaves a step without a
         # row (the call raised), never a row whose step the next call takes again.
         self._calls += 1
         self._next_step = step + 1
         self._last_step = step
-        self._since_flush += 1
         self._host_rows.append(row)
-        if self._since_flush >= self.every:
-            self._hand_over_host_rows()
+        self._count_row(now)
+
+    def _count_row(self, now: float) -> None:
+        """The hot path's window trigger (written out there, for speed): hand the window over
+        at its `every`-th row, or at the first call `max_delay` after its first row."""
+        since = self._since_flush
+        if not since:
+            self._deadline = -_INF if self._flush_due else now + self._max_delay
+        self._since_flush = since + 1
+        if since + 1 >= self.every or now >= self._deadline:
+            self._flush_window()
 
     @staticmethod
     def _check_step(step: Any) -> int:
@@ -473,7 +506,8 @@ class Logger:
         caller = self._delivery.caller
         with torch.cuda.device(self._device):
             if ring.capturing():
-                self._flush_due = True               # no copies inside a capture: next call
+                # No copies inside a capture: the next eager call hands the window over.
+                self._flush_due, self._deadline = True, -_INF
                 return
             # An interrupt while waiting for a window leaves every row in the ring for the
             # next flush; the hand-over itself runs with signals deferred (_C.defer_signals).
@@ -653,6 +687,18 @@ class Logger:
     @sinks.setter
     def sinks(self, sinks: Iterable[Any]) -> None:
         self._delivery.sinks = _check_sinks(sinks)     # a new list: the next batch uses it
+
+    @property
+    def max_delay(self) -> float | None:
+        """Seconds after a window's first row at which the next call hands it over (None: no
+        bound). Settable; a new value applies from the next window."""
+        return self._max_delay_given
+
+    @max_delay.setter
+    def max_delay(self, max_delay: float | None) -> None:
+        check_max_delay(max_delay)
+        self._max_delay_given = max_delay
+        self._max_delay = _INF if max_delay is None else float(max_delay)
 
     @property
     def closed(self) -> bool:
