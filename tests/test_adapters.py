@@ -386,6 +386,57 @@ def test_wandb_module_is_a_drop_in(wandb_env, tmp_path):
                                         for i in range(4)]
 
 
+def test_direct_run_log_calls_keep_every_row_in_step_order(device, wandb_env, tmp_path):
+    """run.log and the real wandb.log, called between syncless.wandb.log calls, go through the
+    same queue: every row reaches the run's history, in call order, with its exact values."""
+    import wandb
+    import syncless.wandb as swandb
+    v, _ = device_values(device)
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=4, max_delay=None,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    try:
+        with no_syncs(device):
+            for i in range(6):
+                swandb.log({"loss": v[i], "acc": i / 10})
+                if i == 2:
+                    run.log({"direct": 7.5, "t": v[40]})          # a tensor too: no sync
+                    assert run.step == 0                          # queued behind rows 0..2
+                if i == 4:
+                    wandb.log({"module": 8.5})                    # the real wandb.log
+            run.log({"late": 1.25}, step=20)                      # an explicit step
+    finally:
+        swandb.finish()
+    assert run.log == wandb.Run.log.__get__(run)                  # wandb's own method again
+    rows = [({"loss": VALUES[i], "acc": i / 10}) for i in range(6)]
+    rows[3:3] = [{"direct": 7.5, "t": VALUES[40]}]
+    rows[6:6] = [{"module": 8.5}]
+    rows.append({"late": 1.25})
+    steps = list(range(8)) + [20]
+    assert untimed(wb_history(run)) == [({**row, "_step": step}, step)
+                                        for row, step in zip(rows, steps)]
+
+
+def test_wandb_init_takes_every_and_max_delay_and_dir_shows_wandb(wandb_env, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    assert set(dir(wandb)) <= set(dir(swandb))
+    assert {"init", "log", "flush", "finish", "errors", "latest"} <= set(dir(swandb))
+    with pytest.raises(ValueError, match="max_delay must be None or a number of seconds"):
+        swandb.init(project="syncless-test", dir=str(tmp_path), max_delay=-1)
+    assert wandb.run is None                                      # refused before wandb.init
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=1000, max_delay=0,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    try:
+        swandb.log({"loss": torch.tensor(0.5)})
+        swandb.log({"loss": torch.tensor(0.25)})    # max_delay=0: each call hands rows over
+        deadline = time.monotonic() + 60            # a bound, not a speed: no flush() called
+        while run.step < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.step == 2 and swandb.latest == {"loss": 0.25}
+    finally:
+        swandb.finish()
+
+
 def test_wandb_sink(device, wandb_env, tmp_path):
     import wandb
     v, _ = device_values(device)
