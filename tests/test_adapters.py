@@ -168,7 +168,8 @@ def odd_inputs():
         "tensor (2,)": torch.tensor([1.0, 2.0]), "tensor (0,)": torch.empty(0),
         "tensor bool": torch.tensor(True), "tensor int64 2**40+1": torch.tensor(2**40 + 1),
         "tensor bf16": torch.tensor(1.1, dtype=torch.bfloat16),
-        "tensor complex": torch.tensor(1 + 2j), "tensor grad": torch.tensor(1.5, requires_grad=True),
+        "tensor complex": torch.tensor(1 + 2j),
+        "tensor grad": torch.tensor(1.5, requires_grad=True),
         "tensor nan": torch.tensor(math.nan),
     }
     cases = [(name, "add_scalar", (f"v/{name}", value, 0)) for name, value in values.items()]

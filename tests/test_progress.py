@@ -132,7 +132,8 @@ def test_async_for_iterates_once():
 
     source = Sized(range(5))
     out = io.StringIO()
-    assert asyncio.run(consume(tqdm(source, file=out, mininterval=0, ascii=True))) == [0, 1, 2, 3, 4]
+    bar = tqdm(source, file=out, mininterval=0, ascii=True)
+    assert asyncio.run(consume(bar)) == [0, 1, 2, 3, 4]
     assert source.iters == 1 and "5/5" in out.getvalue()
 
 

@@ -34,7 +34,7 @@ except ImportError as exc:                       # torch raises this when tensor
 
 from ._deferred import Deferred, Failures
 
-__all__ = ["SummaryWriter"]
+__all__ = ["SummaryWriter", "ScalarShapeError"]
 
 _log = logging.getLogger("syncless")
 _writers: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
