@@ -85,7 +85,7 @@ def _scalar(tag: Any, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise _shape_error(tag, tuple(value.shape))
-        if value.is_complex():
+        if value.dtype.is_complex:
             raise TypeError(f"metric {tag!r}: float() argument must be a string or a real "
                             f"number, not 'complex' (torch refuses a {value.dtype} tensor)")
         return value
@@ -112,14 +112,14 @@ def _global_step(step: Any) -> Any:
 
 
 def _step_tensor(step: torch.Tensor) -> None:
-    if step.is_complex():                # int() of a complex tensor: a RuntimeError in torch
+    if step.dtype.is_complex:            # int() of a complex tensor: a RuntimeError in torch
         raise RuntimeError(f"global_step: a {step.dtype} tensor cannot be converted to int64")
 
 
 def _walltime(walltime: Any) -> Any:
     """A host walltime as the event's double field takes it (torch's TypeError otherwise)."""
     if walltime is None or type(walltime) is float or isinstance(walltime, torch.Tensor):
-        if isinstance(walltime, torch.Tensor) and walltime.is_complex():
+        if isinstance(walltime, torch.Tensor) and walltime.dtype.is_complex:
             raise RuntimeError(f"walltime: a {walltime.dtype} tensor cannot be converted to "
                                "a double")
         return walltime
@@ -176,7 +176,7 @@ class SummaryWriter(_TorchWriter):
         _check_tag(tag)
         if type(scalar_value) is not torch.Tensor:
             scalar_value = _scalar(tag, scalar_value)
-        elif scalar_value.numel() != 1 or scalar_value.is_complex():
+        elif scalar_value.numel() != 1 or scalar_value.dtype.is_complex:
             _scalar(tag, scalar_value)                  # raises torch's exception type
         if type(global_step) is int and not -2**63 <= global_step < 2**63:
             _global_step(global_step)                   # raises as the event's field would

@@ -72,7 +72,7 @@ def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
         if isinstance(key, str):
             check_name(key, "key")
         if isinstance(value, torch.Tensor):
-            if value.numel() == 1 and not value.is_complex():
+            if value.numel() == 1 and not value.dtype.is_complex:
                 out[key] = _Slot(len(values), _item_type(value.dtype))
                 values.append(value)
                 names.append(f"{prefix}{key}")
