@@ -13,8 +13,24 @@ beforehand, never committed; see SOURCES for the layout and the versions they mu
                   syncless.hf.SynclessTrainer in place of transformers.Trainer
 
 Every test's outcome with syncless is compared with its outcome without it; the table lists the
-counts and each test whose outcome differs. The injection is this module used as a pytest
-plugin (`-p benchmarks.peers`), switched on by the environment variable SYNCLESS_PEERS.
+counts and each test whose outcome differs, with its cause where known (KNOWN, BY_DESIGN), and
+the tests that fail both ways. The injection is this module used as a pytest plugin
+(`-p benchmarks.peers`), switched on by the environment variable SYNCLESS_PEERS; each run is a
+fresh process with a blank pytest configuration (upstream's rules, not syncless's
+`filterwarnings = error`).
+
+The sources (an ignored folder; a SOURCE file in each suite's folder says what is there):
+
+    .peers/pytorch/test/test_tensorboard.py (+ test/expect/*.expect)  pytorch/pytorch at the
+        installed torch's tag, where reachable
+    .peers/lightning/tests/tests_pytorch/...   `git archive <tag> tests/tests_pytorch` of a
+        Lightning-AI/pytorch-lightning clone, tag = the installed lightning version
+    .peers/transformers/tests/__init__.py, tests/trainer/{__init__,trainer_test_utils,
+        test_trainer_callback}.py   huggingface/transformers at the installed version's tag
+    .peers/site/   `pip install --target .peers/site expecttest` (torch's test helpers need it)
+
+Where a tag is not reachable, the nearest version is used and SOURCE says so (the results file
+repeats it).
 """
 from __future__ import annotations
 
