@@ -67,10 +67,11 @@ KNOWN: dict[str, str] = {
         "log_metrics({'hp_metric': -1}, None) (from log_hyperparams at fit start) reaches the "
         "mocked method as call(metrics=..., step=None) (issue 28 item 5; lightning.py)",
     "tests.trainer.test_trainer_callback.TrainerCallbackTest::test_event_flow":
-        "SynclessTrainer calls log() (so on_log) when a logging step's row arrives, at a later "
-        "optimizer step, so that the logging step never waits for the GPU; the test expects "
-        "on_log right after the logging step's on_step_end. It passes with "
-        "syncless_log_at_step=True (one wait per logging step; see that row) (hf.py)",
+        "SynclessTrainer calls log() (so on_log) of logging step N when its row arrives, "
+        "during step N+1, so that step N never waits for the GPU; the test expects on_log "
+        "right after step N's on_step_end, before step N+1's on_step_begin (first difference: "
+        "event 23, logging_steps=5). It passes with syncless_log_at_step=True (one wait per "
+        "logging step; see that row) (hf.py)",
 }
 
 
