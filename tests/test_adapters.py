@@ -8,6 +8,7 @@ compared value by value. On CUDA the syncless calls run under torch's sync-debug
 import contextlib
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -148,6 +149,118 @@ def test_tensorboard_rejects_bad_values(tmp_path):
     assert strip_time(read_tb(tmp_path)) == {(".", "loss"): [(1, 1.5)]}
 
 
+def odd_inputs():
+    """(case, method, args): what users pass to add_scalar/add_scalars besides a clean float.
+    Each case writes under its own tag (or the odd tag it is about), at steps 0.. of its own."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    import numpy as np
+    values = {
+        "str number": "1.5", "str word": "abc", "bytes number": b"2.5", "None": None,
+        "list": [1.5], "dict": {"a": 1}, "bool": True, "int": 3, "int 2**70": 2**70,
+        "int64 max": 2**63 - 1, "Decimal": Decimal("1.1"), "Fraction": Fraction(1, 3),
+        "complex": 1 + 2j, "nan": math.nan, "-inf": -math.inf,
+        "np.float32": np.float32(1.25), "np.int64": np.int64(7), "np.bool_": np.bool_(True),
+        "np 0-d": np.array(3.5), "np (1,)": np.array([3.5]), "np (2,)": np.array([1.0, 2.0]),
+        "np str (1,)": np.array(["1.5"]),
+        "tensor 0-d": torch.tensor(1.5), "tensor (1, 1)": torch.tensor([[2.5]]),
+        "tensor (2,)": torch.tensor([1.0, 2.0]), "tensor (0,)": torch.empty(0),
+        "tensor bool": torch.tensor(True), "tensor int64 2**40+1": torch.tensor(2**40 + 1),
+        "tensor bf16": torch.tensor(1.1, dtype=torch.bfloat16),
+        "tensor complex": torch.tensor(1 + 2j),
+        "tensor grad": torch.tensor(1.5, requires_grad=True),
+        "tensor nan": torch.tensor(math.nan),
+    }
+    cases = [(name, "add_scalar", (f"v/{name}", value, 0)) for name, value in values.items()]
+    for name, tag in {"tag int": 3, "tag None": None, "tag bytes": b"t/bytes",
+                      "tag surrogate": "t/\ud800", "tag empty": "", "tag spaces": "a b/c"}.items():
+        cases.append((name, "add_scalar", (tag, 1.0, 1)))
+    steps = {"str": "5", "float": 3.7, "None": None, "bad str": "x", "negative": -4,
+             "np.int32": np.int32(9), "tensor": torch.tensor(11), "tensor float": torch.tensor(3.7),
+             "tensor bool": torch.tensor(True), "tensor (2,)": torch.tensor([1, 2]),
+             "tensor complex": torch.tensor(1 + 1j), "2**64": 2**64, "-2**63": -2**63,
+             "bool": True, "list": [3], "Decimal": Decimal("4.5"), "nan": math.nan,
+             "inf": math.inf}
+    cases += [(f"step {name}", "add_scalar", (f"s/{name}", 0.5, step))
+              for name, step in steps.items()]
+    walls = {"int": 7, "str": "8", "np.float64": np.float64(9.5), "bytes": b"1",
+             "tensor": torch.tensor(10.5, dtype=torch.float64), "tensor int": torch.tensor(5),
+             "tensor (2,)": torch.tensor([1.0, 2.0]), "bool": True, "nan": math.nan,
+             "Decimal": Decimal("2.5"), "list": [1.0], "np (1,)": np.array([1.0]),
+             "complex": 1j}
+    cases += [(f"walltime {name}", "add_scalar", (f"w/{name}", 0.25, 2, wall))
+              for name, wall in walls.items()]
+    cases += [
+        ("scalars str values", "add_scalars", ("m1", {"a": "2.5", "b": np.float32(0.5)}, 3)),
+        ("scalars empty", "add_scalars", ("m2", {}, 3)),
+        ("scalars main_tag int", "add_scalars", (3, {"a": 1.0}, 3)),
+        ("scalars tag int", "add_scalars", ("m3", {3: 1.0}, 3)),
+        ("scalars value None", "add_scalars", ("m4", {"a": None}, 3)),
+        ("scalars value (2,)", "add_scalars", ("m5", {"a": torch.ones(2)}, 3)),
+        ("scalars not a dict", "add_scalars", ("m6", [("a", 1.0)], 3)),
+        ("scalars step x", "add_scalars", ("m7", {"a": 1.0}, "x")),
+        ("scalars walltime str", "add_scalars", ("m8", {"a": 1.0}, 3, "x")),
+        ("scalars step tensor", "add_scalars", ("m9", {"a": 1.0}, torch.tensor(6))),
+    ]
+    return cases
+
+
+def read_tb_exact(logdir):
+    """{(subdir, tag): [(step, repr(value), wall_time)]}: NaN compares equal, nothing purged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = {}
+    for root, _dirs, files in os.walk(logdir):
+        if any(f.startswith("events.out.tfevents") for f in files):
+            acc = EventAccumulator(root, size_guidance={"scalars": 0}, purge_orphaned_data=False)
+            acc.Reload()
+            for tag in acc.Tags()["scalars"]:
+                out[os.path.relpath(root, logdir), tag] = [
+                    (e.step, repr(e.value), repr(e.wall_time)) for e in acc.Scalars(tag)]
+    return out
+
+
+def test_tensorboard_takes_and_refuses_what_torchs_writer_does(tmp_path):
+    """Every odd input through torch's SummaryWriter and syncless's: either both raise (syncless
+    an exception that `except <torch's type>` catches, at the call), or both write the same
+    step, value and (when given) walltime, read back by TensorBoard's own reader."""
+    from torch.utils.tensorboard import SummaryWriter as TorchWriter
+
+    from syncless.tensorboard import SummaryWriter
+    cases = odd_inputs()
+    raised = {}
+    with TorchWriter(tmp_path / "torch") as ref, SummaryWriter(tmp_path / "syncless", every=7) as w:
+        for name, method, args in cases:
+            outcome = []
+            for writer in (ref, w):
+                try:
+                    getattr(writer, method)(*args)
+                    outcome.append(None)
+                except Exception as exc:       # noqa: PERF203 - each case once
+                    outcome.append(exc)
+            raised[name] = outcome
+    mismatched = {name: (type(a).__name__, type(b).__name__) for name, (a, b) in raised.items()
+                  if (a is None) != (b is None) or (a is not None and not isinstance(b, type(a)))}
+    assert mismatched == {}
+    assert w.errors == 0
+    want, got = read_tb_exact(tmp_path / "torch"), read_tb_exact(tmp_path / "syncless")
+    explicit = {args[0] for _, _, args in cases if len(args) == 4 and args[3] is not None}
+    for key in set(want) | set(got):
+        if key[1] not in explicit:
+            want[key] = [e[:2] for e in want.get(key, [])]      # walltime: the host's clock
+            got[key] = [e[:2] for e in got.get(key, [])]
+    assert got == want
+    # the values a user cares about, spelled out
+    assert want[".", "v/str number"] == [(0, "1.5")]
+    assert want[".", "v/Decimal"] == [(0, repr(float(torch.tensor(1.1))))]     # float32 on disk
+    assert want[".", "s/float"] == [(3, "0.5")] and want[".", "s/tensor float"] == [(3, "0.5")]
+    assert want[".", "w/np.float64"] == [(2, "0.25", "9.5")]
+    assert want["m1_a", "m1"] == [(3, "2.5")] and ("m2_a", "m2") not in want
+    writes = sum(1 for a, _ in raised.values() if a is None)
+    refusals = {name for name, (a, _) in raised.items() if a is not None}
+    assert (writes, len(refusals)) == (48, 31), sorted(refusals)
+
+
 def test_tensorboard_sink(device, tmp_path):
     from syncless.tensorboard import SummaryWriter
     v, _ = device_values(device)
@@ -274,6 +387,57 @@ def test_wandb_module_is_a_drop_in(wandb_env, tmp_path):
                                         for i in range(4)]
 
 
+def test_direct_run_log_calls_keep_every_row_in_step_order(device, wandb_env, tmp_path):
+    """run.log and the real wandb.log, called between syncless.wandb.log calls, go through the
+    same queue: every row reaches the run's history, in call order, with its exact values."""
+    import wandb
+    import syncless.wandb as swandb
+    v, _ = device_values(device)
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=4, max_delay=None,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    try:
+        with no_syncs(device):
+            for i in range(6):
+                swandb.log({"loss": v[i], "acc": i / 10})
+                if i == 2:
+                    run.log({"direct": 7.5, "t": v[40]})          # a tensor too: no sync
+                    assert run.step == 0                          # queued behind rows 0..2
+                if i == 4:
+                    wandb.log({"module": 8.5})                    # the real wandb.log
+            run.log({"late": 1.25}, step=20)                      # an explicit step
+    finally:
+        swandb.finish()
+    assert run.log == wandb.Run.log.__get__(run)                  # wandb's own method again
+    rows = [({"loss": VALUES[i], "acc": i / 10}) for i in range(6)]
+    rows[3:3] = [{"direct": 7.5, "t": VALUES[40]}]
+    rows[6:6] = [{"module": 8.5}]
+    rows.append({"late": 1.25})
+    steps = list(range(8)) + [20]
+    assert untimed(wb_history(run)) == [({**row, "_step": step}, step)
+                                        for row, step in zip(rows, steps)]
+
+
+def test_wandb_init_takes_every_and_max_delay_and_dir_shows_wandb(wandb_env, tmp_path):
+    import wandb
+    import syncless.wandb as swandb
+    assert set(dir(wandb)) <= set(dir(swandb))
+    assert {"init", "log", "flush", "finish", "errors", "latest"} <= set(dir(swandb))
+    with pytest.raises(ValueError, match="max_delay must be None or a number of seconds"):
+        swandb.init(project="syncless-test", dir=str(tmp_path), max_delay=-1)
+    assert wandb.run is None                                      # refused before wandb.init
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=1000, max_delay=0,
+                      settings=wandb.Settings(**WANDB_SETTINGS))
+    try:
+        swandb.log({"loss": torch.tensor(0.5)})
+        swandb.log({"loss": torch.tensor(0.25)})    # max_delay=0: each call hands rows over
+        deadline = time.monotonic() + 60            # a bound, not a speed: no flush() called
+        while run.step < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.step == 2 and swandb.latest == {"loss": 0.25}
+    finally:
+        swandb.finish()
+
+
 def test_wandb_sink(device, wandb_env, tmp_path):
     import wandb
     v, _ = device_values(device)
@@ -329,10 +493,12 @@ def bad_inputs(device):
                "k150": meta}
     return [
         (lambda w: w.add_scalar("bad\udc80", 1.0, 0), lambda wb: wb.log({"bad\udc80": 1.0}),
-         ValueError, r"tag 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed",
+         ValueError, r"tag 'bad\\udc80' is not valid UTF-8 text",
          r"key 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed"),
-        (lambda w: w.add_scalar("loss", 1.0, half), lambda wb: wb.log({"loss": 1.0}, step=half),
-         TypeError, r"^global_step must be an integer tensor, got torch.float32$",
+        # torch's writer takes int() of a float step tensor; a complex one is its RuntimeError
+        (lambda w: w.add_scalar("loss", 1.0, torch.tensor(1j, device=device)),
+         lambda wb: wb.log({"loss": 1.0}, step=half), (RuntimeError, TypeError),
+         r"^global_step: a torch.complex64 tensor cannot be converted to int64$",
          r"^step must be an integer tensor, got torch.float32$"),
         (lambda w: w.add_scalar("loss", 1.0, steps), lambda wb: wb.log({"loss": 1.0}, step=steps),
          ValueError, r"^global_step must hold one element, got shape \(2,\)$",
@@ -341,8 +507,8 @@ def bad_inputs(device):
          (TypeError, ValueError), r"^metric 'loss'[: ]", r"^metric 'loss'[: ]"),
         (lambda w: w.add_scalars("wide", wide_tb), lambda wb: wb.log(wide_wb),   # row 2 of 2
          (TypeError, ValueError), r"^metric 'wide/k150'[: ]", r"^metric 'k150'[: ]"),
-        (lambda w: w.add_scalar("loss", 1.0, "abc"), lambda wb: wb.log({"loss": 1.0}, step=2.5),
-         TypeError, r"^global_step must be an integer, got str 'abc'$",
+        (lambda w: w.add_scalar("loss", 1.0, [3]), lambda wb: wb.log({"loss": 1.0}, step=2.5),
+         TypeError, r"^global_step must be an integer, got list \[3\]$",
          r"^step must be an integer, got float 2.5$"),
     ]
 

@@ -55,7 +55,7 @@ def test_plain_tqdm_without_log():
 def test_missing_tqdm_names_the_extra(monkeypatch):
     import syncless.progress as progress
     monkeypatch.setattr(progress, "_classes", {})
-    monkeypatch.setitem(__import__("sys").modules, "tqdm.auto", None)
+    monkeypatch.setitem(__import__("sys").modules, "tqdm.std", None)
     with pytest.raises(ImportError, match=r"pip install syncless\[progress\]"):
         tqdm(range(3))
 
@@ -93,3 +93,64 @@ def test_a_failing_postfix_never_stops_the_loop(caplog):
     assert "5/5" in out.getvalue() and "loss=0.5" in out.getvalue()
     failures = [r for r in caplog.records if "building the postfix" in r.getMessage()]
     assert len(failures) == 1 and "RuntimeError: backend gone" in failures[0].getMessage()
+
+
+class Counted:
+    """An iterable that counts the iterators made from it."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.iters = 0
+
+    def __iter__(self):
+        self.iters += 1
+        return iter(self.items)
+
+
+class Sized(Counted):
+    def __len__(self):
+        return len(self.items)
+
+
+def test_the_iterable_is_iterated_once_and_its_len_shown():
+    out = io.StringIO()
+    source = Sized(range(7))
+    with syncless.Logger() as log:
+        assert list(tqdm(source, log=log, file=out, mininterval=0, ascii=True)) == list(range(7))
+    assert source.iters == 1
+    assert "7/7" in out.getvalue()
+    unsized = Counted(range(4))
+    assert list(tqdm(unsized, file=out, ascii=True)) == [0, 1, 2, 3]
+    assert unsized.iters == 1 and "4it" in out.getvalue()
+
+
+def test_async_for_iterates_once():
+    import asyncio
+
+    async def consume(bar):
+        return [x async for x in bar]
+
+    source = Sized(range(5))
+    out = io.StringIO()
+    bar = tqdm(source, file=out, mininterval=0, ascii=True)
+    assert asyncio.run(consume(bar)) == [0, 1, 2, 3, 4]
+    assert source.iters == 1 and "5/5" in out.getvalue()
+
+
+def batches(bar_class, workers, **kwargs):
+    """The batches a shuffled DataLoader yields through a progress bar, seeded as a user seeds."""
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+    torch.manual_seed(1234)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, num_workers=workers)
+    return [batch[0].tolist() for batch in bar_class(loader, file=io.StringIO(), **kwargs)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shuffled_loader_yields_the_batches_plain_tqdm_gives(workers):
+    import tqdm as plain
+    expected = batches(plain.tqdm, workers)
+    with syncless.Logger() as log:
+        got = batches(tqdm, workers, log=log)
+    assert got == expected
+    assert sorted(x for batch in got for x in batch) == list(range(64))
+    assert expected != [list(range(i, i + 8)) for i in range(0, 64, 8)]     # really shuffled

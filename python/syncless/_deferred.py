@@ -9,8 +9,9 @@ backend, so they share one set of rules:
 
 - `every` and `max_delay` are checked here, once.
 - A tensor `step` or `walltime` rides in the row and is read with the values (a step tensor must
-  hold one integer); a host step goes through the adapter's own conversion at the call, so a bad
-  one fails there, as the backend itself would.
+  hold one element, of an integer dtype unless the adapter's `step_tensor` rule allows more); a
+  host step goes through the adapter's own conversion at the call, so a bad one fails there, as
+  the backend itself would.
 - A name that is not valid UTF-8 text, and every value the Logger refuses, fail at the call with
   the Logger's error naming the user's metric (never a private column name).
 - A record the backend refuses at delivery is reported (once per metric, by name) and counted in
@@ -115,7 +116,8 @@ class Deferred:
     def __init__(self, replay: Callable[[Any, list, Any, float], None],
                  describe: Callable[[Any], tuple[str, str]], failures: Failures,
                  every: int = 50, max_delay: float | None = 2.0,
-                 step_name: str = "step", step_of: Callable[[Any], Any] | None = None):
+                 step_name: str = "step", step_of: Callable[[Any], Any] | None = None,
+                 step_tensor: Callable[[torch.Tensor], None] | None = None):
         check_every(every, max_delay)
         self.every = every
         self.max_delay = max_delay          # the private Logger's: rows handed over that late
@@ -124,6 +126,7 @@ class Deferred:
         self._describe = describe
         self._step_name = step_name
         self._step_of = step_of
+        self._step_tensor = step_tensor or self._integer_step
         self._lock = threading.Lock()       # callers may log from several threads
         self._pending: dict[int, Any] = {}  # sequence number -> (record, n, step, wall) or part
         self._carry: dict[str, float] = {}  # cells of a wide record's earlier rows
@@ -159,9 +162,7 @@ class Deferred:
         if step is None or type(step) is int:
             pass                                    # the common cases, at no cost
         elif isinstance(step, torch.Tensor):
-            if step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
-                raise TypeError(f"{self._step_name} must be an integer tensor, got "
-                                f"{step.dtype}")
+            self._step_tensor(step)
             cells[_STEP], step = step, _IN_ROW
         elif self._step_of is not None:
             step = self._step_of(step)
@@ -206,6 +207,11 @@ class Deferred:
                     raise self._renamed(exc, cells, names) from None
                 raise
             self._seq = seq + 1
+
+    def _integer_step(self, step: torch.Tensor) -> None:
+        """The default rule for a step tensor: an integer dtype (read as the row's float64)."""
+        if step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
+            raise TypeError(f"{self._step_name} must be an integer tensor, got {step.dtype}")
 
     def _renamed(self, exc: Exception, cells: dict, names: Sequence[str]) -> Exception:
         """The Logger's error about a private column, told with the user's name for it."""

@@ -13,6 +13,7 @@ syncless.tensorboard.SummaryWriter, the syncless.wandb module, or anything with 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Iterable, Sequence
 
 __all__ = ["tqdm"]
@@ -27,7 +28,13 @@ def _bar_class() -> type:
     if cls is not None:
         return cls
     try:
-        from tqdm.auto import tqdm as base
+        import tqdm.std                                  # a missing tqdm fails here, by name
+        # tqdm.auto's class adds tqdm.asyncio, whose __init__ calls iter(iterable) at once: a
+        # second iterator nobody uses, which draws a seed from a shuffled DataLoader (other
+        # batches than plain tqdm) and starts a worker pool. tqdm.auto minus that layer.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tqdm.std.TqdmExperimentalWarning)
+            from tqdm.autonotebook import tqdm as base
     except ImportError as exc:
         raise ImportError("syncless.tqdm needs tqdm: pip install syncless[progress]") from exc
 
@@ -63,6 +70,29 @@ def _bar_class() -> type:
             if isinstance(step, int) and step >= 0 and parts:
                 parts.append(f"@{step}")
             self.postfix = ", ".join(parts)
+
+        def __aiter__(self) -> Any:
+            """`async for`, as tqdm.auto allows it, with the one iterator made here."""
+            source = self.iterable
+            if hasattr(source, "__aiter__"):
+                self._sl_next, self._sl_await = source.__aiter__().__anext__, True
+            else:
+                self._sl_next, self._sl_await = iter(source).__next__, False
+            return self
+
+        async def __anext__(self) -> Any:
+            try:
+                value = self._sl_next()
+                if self._sl_await:
+                    value = await value
+            except (StopIteration, StopAsyncIteration):
+                self.close()
+                raise StopAsyncIteration from None
+            except BaseException:
+                self.close()
+                raise
+            self.update()
+            return value
 
         def display(self, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -102,6 +132,7 @@ def _check(log: Any, keys: Any, fmt: Any) -> tuple[str, ...] | None:
 def tqdm(iterable: Iterable | None = None, *args: Any, log: Any = None,
          keys: Sequence[str] | None = None, fmt: str = ".4g", **kwargs: Any) -> Any:
     """`tqdm.auto.tqdm(iterable, ...)` whose postfix shows `log.latest` (a few steps late).
+    The iterable is iterated once, by the loop (plain tqdm's batches, for a shuffled loader too).
 
     keys: which metrics to show, in order (default: all, in order of first delivery).
     fmt: format spec for float values.

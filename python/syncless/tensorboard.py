@@ -24,14 +24,17 @@ from typing import Any
 import torch
 
 try:
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
     from torch.utils.tensorboard import SummaryWriter as _TorchWriter
+    from torch.utils.tensorboard._convert_np import make_np
 except ImportError as exc:                       # torch raises this when tensorboard is missing
     raise ImportError("syncless.tensorboard needs tensorboard: "
                       "pip install syncless[tensorboard]") from exc
 
-from ._deferred import Deferred, Failures, check_name
+from ._deferred import Deferred, Failures
 
-__all__ = ["SummaryWriter"]
+__all__ = ["SummaryWriter", "ScalarShapeError"]
 
 _log = logging.getLogger("syncless")
 _writers: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
@@ -39,22 +42,88 @@ _writers: "weakref.WeakSet[SummaryWriter]" = weakref.WeakSet()
 _ONE, _MANY = 0, 1
 
 
-def _scalar(value: Any) -> Any:
-    """What the logger can take: tensors and numbers as they are (it checks them and names the
-    tag in its error); numpy scalars and arrays through torch's own conversion, on the host."""
-    if isinstance(value, (torch.Tensor, int, float)) or type(value).__module__ != "numpy":
-        return value
-    from torch.utils.tensorboard._convert_np import make_np
-    array = make_np(value)
-    return float(array.reshape(-1)[0]) if array.size == 1 else torch.from_numpy(array)
+# The writer accepts and refuses what torch's does, with torch's exception types, at the call:
+# torch converts a value with make_np(value).squeeze() and float(), asserts one element, puts the
+# tag in a protobuf string field, the step through int() into an int64 field and the walltime
+# into a double field. The same conversions run here on host values; a tensor value keeps its
+# device and is only checked by its metadata.
+
+class ScalarShapeError(AssertionError, ValueError):
+    """A value with other than one element: torch raises AssertionError, syncless ValueError;
+    this is both, so either `except` catches it."""
 
 
-def _global_step(step: Any) -> int:
+_good_tags: set = set()                  # tags the protobuf field took before
+
+
+def _check_tag(tag: Any) -> None:
+    if type(tag) is str and tag in _good_tags:
+        return
+    if isinstance(tag, str):
+        try:
+            tag.encode("utf-8")
+        except UnicodeEncodeError as exc:    # the field's own error, naming the tag
+            exc.reason = f"{exc.reason}; tag {tag!r} is not valid UTF-8 text"
+            raise
     try:
-        return int(step)                    # what torch's add_scalar does with it
-    except (TypeError, ValueError):
-        raise TypeError(f"global_step must be an integer, got {type(step).__name__} "
+        Summary.Value(tag=tag)           # torch's field: what it takes (bytes, None) and not
+    except TypeError:
+        raise TypeError(f"tag must be str, got {type(tag).__name__} {tag!r}") from None
+    if type(tag) is str and len(_good_tags) < 100_000:
+        _good_tags.add(tag)
+
+
+def _shape_error(tag: Any, shape: tuple) -> ScalarShapeError:
+    return ScalarShapeError(f"metric {tag!r} must hold one element, got shape {shape}")
+
+
+def _scalar(tag: Any, value: Any) -> Any:
+    """A float as torch's add_scalar makes it from a host value, or a tensor checked by its
+    metadata (no sync): the Logger reads it on the device."""
+    if type(value) is float:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise _shape_error(tag, tuple(value.shape))
+        if value.dtype.is_complex:
+            raise TypeError(f"metric {tag!r}: float() argument must be a string or a real "
+                            f"number, not 'complex' (torch refuses a {value.dtype} tensor)")
+        return value
+    array = make_np(value).squeeze()     # NotImplementedError for what torch cannot convert
+    if array.ndim != 0:
+        raise _shape_error(tag, array.shape)
+    return float(array)                  # ValueError / TypeError, as in torch
+
+
+def _global_step(step: Any) -> Any:
+    """int(step), as torch's add_event does, in the int64 range of the event's field; a
+    one-element tensor rides in the row and is truncated there like int(tensor)."""
+    if isinstance(step, torch.Tensor):
+        return step
+    try:
+        value = int(step)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise type(exc)(f"global_step must be an integer, got {type(step).__name__} "
                         f"{step!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"global_step {value} is out of the int64 range of TensorBoard's "
+                         "event step (Value out of range)")
+    return value
+
+
+def _step_tensor(step: torch.Tensor) -> None:
+    if step.dtype.is_complex:            # int() of a complex tensor: a RuntimeError in torch
+        raise RuntimeError(f"global_step: a {step.dtype} tensor cannot be converted to int64")
+
+
+def _walltime(walltime: Any) -> Any:
+    """A host walltime as the event's double field takes it (torch's TypeError otherwise)."""
+    if walltime is None or type(walltime) is float or isinstance(walltime, torch.Tensor):
+        if isinstance(walltime, torch.Tensor) and walltime.dtype.is_complex:
+            raise RuntimeError(f"walltime: a {walltime.dtype} tensor cannot be converted to "
+                               "a double")
+        return walltime
+    return Event(wall_time=walltime).wall_time
 
 
 def _describe(record: tuple) -> tuple[str, str]:
@@ -71,9 +140,13 @@ class SummaryWriter(_TorchWriter):
 
     `latest` ({tag: value}) and `latest_step` hold the most recent values written, a few steps
     behind the loop; `syncless.tqdm(..., log=writer)` shows them. Bad input (a tensor with
-    several elements, a complex one, a non-integer step tensor, a tag that is not UTF-8) raises
-    at the call, naming the tag; a scalar torch refuses at delivery is reported once per tag
-    and counted in `errors`, and every other scalar is written.
+    several elements, a complex one, a tag that is not UTF-8) raises at the call, naming the
+    tag, with the exception type torch's writer raises (a value of other than one element:
+    ScalarShapeError, both torch's AssertionError and a ValueError); what torch accepts (a
+    number in a str, numpy scalars, Decimal, a float step) is written as torch writes it. A
+    refusal that depends on a tensor's value (a NaN step tensor) cannot be known at the call
+    without a sync: it is reported at delivery, once per tag, and counted in `errors`; every
+    other scalar is written.
     """
 
     def __init__(self, log_dir: Any = None, comment: str = "", purge_step: int | None = None,
@@ -81,7 +154,8 @@ class SummaryWriter(_TorchWriter):
                  every: int = 50, max_delay: float | None = 2.0):
         self._deferred = Deferred(self._replay, _describe,
                                   Failures("syncless.tensorboard", "writer.errors"), every,
-                                  max_delay, step_name="global_step", step_of=_global_step)
+                                  max_delay, step_name="global_step", step_of=_global_step,
+                                  step_tensor=_step_tensor)
         super().__init__(log_dir, comment, purge_step, max_queue, flush_secs, filename_suffix)
         self.every = every
         self.max_delay = max_delay
@@ -99,21 +173,37 @@ class SummaryWriter(_TorchWriter):
     def add_scalar(self, tag: str, scalar_value: Any, global_step: Any = None,
                    walltime: float | None = None, new_style: bool = False,
                    double_precision: bool = False) -> None:
-        check_name(tag, "tag")
+        _check_tag(tag)
         if type(scalar_value) is not torch.Tensor:
-            scalar_value = _scalar(scalar_value)
+            scalar_value = _scalar(tag, scalar_value)
+        elif scalar_value.numel() != 1 or scalar_value.dtype.is_complex:
+            _scalar(tag, scalar_value)                  # raises torch's exception type
+        if type(global_step) is int and not -2**63 <= global_step < 2**63:
+            _global_step(global_step)                   # raises as the event's field would
         self._deferred.put((_ONE, tag, new_style, double_precision), (scalar_value,), (tag,),
-                           global_step, walltime)
+                           global_step, _walltime(walltime))
 
     def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
                     walltime: float | None = None) -> None:
-        check_name(main_tag, "tag")
-        names = tuple(tag_scalar_dict)
+        items = tag_scalar_dict.items()                 # torch's AttributeError for a non-dict
+        if not items:
+            return                                      # torch writes nothing either
+        if not isinstance(main_tag, str):               # torch: main_tag.replace(...) fails
+            raise AttributeError(f"main_tag must be str, got {type(main_tag).__name__} "
+                                 f"{main_tag!r} (it has no attribute 'replace')")
+        _check_tag(main_tag)
+        names = tuple(tag for tag, _ in items)
         for name in names:
-            check_name(name, "tag")
-        self._deferred.put((_MANY, main_tag, names),
-                           [_scalar(tag_scalar_dict[name]) for name in names],
-                           [f"{main_tag}/{name}" for name in names], global_step, walltime)
+            if not isinstance(name, str):               # torch: logdir + "_" + tag fails
+                raise TypeError(f"add_scalars({main_tag!r}): tags must be str, got "
+                                f"{type(name).__name__} {name!r}")
+            _check_tag(name)
+        values = [_scalar(f"{main_tag}/{name}", value) for name, value in items]
+        if type(global_step) is int and not -2**63 <= global_step < 2**63:
+            _global_step(global_step)
+        self._deferred.put((_MANY, main_tag, names), values,
+                           [f"{main_tag}/{name}" for name in names], global_step,
+                           _walltime(walltime))
 
     # ---- delivery (the logger's thread) ------------------------------------------------------
 

@@ -15,14 +15,18 @@ call. `wandb.finish()` / `run.finish()` (and interpreter exit, through wandb's o
 everything first; `flush()` does it on demand.
 
 Until delivery the run has not seen the deferred calls: `run.step` and `run.summary` lag by up to
-`every` calls. Do not mix direct `wandb.log` calls with these on one run without `flush()` in
-between. Multi-element tensors are snapshotted on the device (no sync here) and converted by wandb
-on the delivery thread. A call during CUDA graph capture raises RuntimeError.
+`every` calls. Direct calls join the same queue: once syncless logs to a run, that run's own
+`run.log` (and the real `wandb.log`, while the run is wandb's global run) go through it, so rows
+logged any way reach the run in call order, each at the step wandb gives it, without a sync and
+without a row lost; `run.finish()` restores wandb's own method. Multi-element tensors are
+snapshotted on the device (no sync here) and converted by wandb on the delivery thread. A call
+during CUDA graph capture raises RuntimeError.
 
 Any other attribute (`wandb.Image`, `wandb.config`, `wandb.run`, ...) is the real wandb's.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from typing import Any, Mapping
@@ -42,6 +46,7 @@ _log = logging.getLogger("syncless")
 
 _states: dict[int, "_RunState"] = {}     # id(run) -> its deferred calls
 _closed_errors = [0]                     # errors of the runs whose states are closed
+_DEFAULT = object()                      # max_delay not given
 
 
 class _Slot:
@@ -67,7 +72,7 @@ def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
         if isinstance(key, str):
             check_name(key, "key")
         if isinstance(value, torch.Tensor):
-            if value.numel() == 1 and not value.is_complex():
+            if value.numel() == 1 and not value.dtype.is_complex:
                 out[key] = _Slot(len(values), _item_type(value.dtype))
                 values.append(value)
                 names.append(f"{prefix}{key}")
@@ -128,6 +133,23 @@ class _RunState:
         self._deferred = Deferred(self._replay, _describe,
                                   Failures("syncless.wandb", "syncless.wandb.errors"), every,
                                   max_delay, step_name="step", step_of=_step)
+        # Direct run.log calls join the queue: passed through at once, a call would reach the
+        # run ahead of deferred rows logged before it, and wandb would drop those rows (their
+        # steps are behind the run's by then). Queued, it costs what a syncless log costs.
+        self._own_log = run.log
+        self._direct = self._direct_log()
+        run.log = self._direct
+        if getattr(_wandb, "log", None) == self._own_log:
+            _wandb.log = self._direct              # the real wandb.log of this global run
+
+    def _direct_log(self) -> Any:
+        state = self
+
+        @functools.wraps(self._own_log)
+        def log(data: Mapping[str, Any], step: Any = None, commit: bool | None = None) -> None:
+            state.log(data, step, commit)
+
+        return log
 
     @property
     def errors(self) -> int:
@@ -151,7 +173,7 @@ class _RunState:
         template, commit = record          # the logger's delivery thread
         data = _fill(template, values)
         data.setdefault("_timestamp", wall)
-        self.run.log(data, step=step, commit=commit)
+        self._own_log(data, step=step, commit=commit)
         _numbers(data, self.latest)
 
     def flush(self) -> None:
@@ -160,15 +182,20 @@ class _RunState:
     def close(self) -> None:
         self.finished = True
         self._deferred.close()
+        if vars(self.run).get("log") is self._direct:
+            del self.run.log                       # wandb's own method again
+        if getattr(_wandb, "log", None) is self._direct:
+            _wandb.log = self._own_log
         if _states.get(id(self.run)) is self:
             del _states[id(self.run)]
             _closed_errors[0] += self.errors
 
 
-def _deferred(run: Any, every: int | None = None) -> _RunState:
+def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> _RunState:
     state = _states.get(id(run))
     if state is None or state.run is not run:
-        state = _states[id(run)] = _RunState(run, 50 if every is None else every)
+        state = _states[id(run)] = _RunState(run, 50 if every is None else every,
+                                             2.0 if max_delay is _DEFAULT else max_delay)
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
             # EARLY hooks run inside finish() while the run still accepts log().
@@ -178,13 +205,16 @@ def _deferred(run: Any, every: int | None = None) -> _RunState:
     return state
 
 
-def init(*args: Any, every: int = 50, **kwargs: Any) -> Any:
-    """`wandb.init(*args, **kwargs)`, unchanged; `every` is how many log() calls share one
-    device-to-host copy. Returns the real run."""
-    check_every(every, None)                      # before wandb.init starts a run
+def init(*args: Any, every: int = 50, max_delay: float | None = 2.0, **kwargs: Any) -> Any:
+    """`wandb.init(*args, **kwargs)`, unchanged; returns the real run.
+
+    every: how many log() calls share one device-to-host copy.
+    max_delay: seconds after which the next log() hands the calls over anyway, so a slow loop
+        still shows up in W&B (None: only every `every` calls, flush() and finish())."""
+    check_every(every, max_delay)                 # before wandb.init starts a run
     run = _wandb.init(*args, **kwargs)
     if run is not None:
-        _deferred(run, every)
+        _deferred(run, every, max_delay)
     return run
 
 
@@ -211,6 +241,11 @@ def finish(*args: Any, **kwargs: Any) -> None:
     if run is not None and id(run) in _states:
         _states[id(run)].close()
     _wandb.finish(*args, **kwargs)
+
+
+def __dir__() -> list[str]:
+    """wandb's names and this module's: tab completion shows what attribute access gives."""
+    return sorted(set(globals()) | set(dir(_wandb)) | {"errors", "latest"})
 
 
 def __getattr__(name: str) -> Any:
