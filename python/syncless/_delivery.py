@@ -243,8 +243,10 @@ class Delivery:
         self._pool = pool
         self._gpu_time = gpu_time
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        # The thread (see _put): started by a hand-over, it claims the queue under _gate.
-        self._gate = threading.RLock()       # a submit vs the thread deciding to end
+        # The thread (see _put): started by a hand-over, it claims the queue under _claim, a
+        # lock the training thread never takes (a signal handler there must not wait on it).
+        self._claim = threading.Lock()
+        self._used = False                   # a job was submitted
         self._live = False                   # a started thread will consume the queue
         self._consumer: threading.Thread | None = None
         self._ident = -1
@@ -297,15 +299,15 @@ class Delivery:
         if self.caller:
             self._pending.append(job)
             return
-        # The thread is started where a hand-over needs it. An interrupt inside start() may
-        # leave one running that is not counted: the next submit starts another, and the
-        # first to claim the queue (_loop) consumes it, the other ends at once.
-        with self._gate:
-            if not self._live:
-                threading.Thread(target=self._loop, name="syncless-delivery",
-                                 daemon=True).start()
-                self._live = True
-            self._jobs.put(job)
+        # The job first, then a thread if none is live. The thread deciding to end looks at
+        # the queue after saying it is not live (_loop), so a job is never left without one.
+        # An interrupt inside start() may leave a thread running that is not counted: the next
+        # submit starts another, and the first to claim the queue consumes it, the other ends.
+        self._used = True
+        self._jobs.put(job)
+        if not self._live:
+            threading.Thread(target=self._loop, name="syncless-delivery", daemon=True).start()
+            self._live = True
 
     # ---- delivery="caller": the training thread runs the jobs itself --------------------------
     # The Logger calls pump() at each flush and finish() at flush(wait=True) and close(), and
@@ -364,7 +366,7 @@ class Delivery:
         """Return once everything submitted so far reached the sinks (held rows too, and late
         values of steps up to `upto`), then flush the sinks; False if `deadline` came first.
         On the delivery thread itself this would wait forever: refused."""
-        if not self._live and self._consumer is None:
+        if not self._used:
             return True
         self.refuse_on_thread("flush() or close()")
         done = _locked()                     # released by the thread once it got there
@@ -381,11 +383,10 @@ class Delivery:
             self.pump(wait=True)
             self.finish(math.inf, flush_sinks=False)
             return True
-        with self._gate:
-            if not self._live and self._consumer is None:
-                return True
-            done = _locked()
-            self._jobs.put(("stop", done))
+        if not self._live and self._consumer is None and self._jobs.empty():
+            return True
+        done = _locked()
+        self._put(("stop", done))
         return _acquire(done, deadline)
 
     def take_over(self, grace: float) -> bool:
@@ -403,7 +404,7 @@ class Delivery:
         jobs = []
         if self._current is not None and self._current is not self._ran:
             jobs.append(self._current)
-        with self._gate:
+        with self._claim:
             left, self._jobs = self._jobs, queue.SimpleQueue()
             self._live, self._consumer, self._ident = False, None, -1
         while True:
@@ -458,7 +459,7 @@ class Delivery:
         """In a forked child: drop the parent's thread, queue and state without touching them."""
         self._jobs = queue.SimpleQueue()
         self._pending = collections.deque()
-        self._gate = threading.RLock()
+        self._claim = threading.Lock()
         self._commit = threading.Lock()
         self._pumping = 0
         self._live = False
@@ -473,20 +474,24 @@ class Delivery:
     # ---- the delivery thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        with self._gate:
+        with self._claim:
             if self._consumer is not None:
                 return                       # a second start (see _put): the first one has it
             self._consumer, self._ident = threading.current_thread(), threading.get_ident()
+            self._live = True
             jobs = self._jobs                # take_over() leaves it to a stuck thread
         while True:
             job = jobs.get()
             kind = job[0]
             if kind == "stop":
                 self._emit([], upto=math.inf)
-                with self._gate:
+                with self._claim:
+                    self._live = False
                     end = jobs.empty()           # a job submitted after the stop keeps it
                     if end:
-                        self._live, self._consumer, self._ident = False, None, -1
+                        self._consumer, self._ident = None, -1
+                    else:
+                        self._live = True
                 job[1].release()
                 if end:
                     return

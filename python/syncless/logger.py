@@ -568,14 +568,16 @@ class Logger:
         if self._finished:
             return
         timeout = self.close_timeout if timeout is _NO_TIMEOUT else _check_timeout(timeout)
+        d = self._delivery
         with self._lock:
             if self._gen is not None and self._gen.ring.capturing():
                 # Refused before anything changes: the logger stays open and loses nothing.
                 raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
+            # From here on late values are waited for until the deadline at most (with
+            # delivery="caller", the hand-over below already delivers).
+            d.deadline = None if timeout is None else time.monotonic() + timeout
             self._closed = True
             self._flush_window()
-        d = self._delivery
-        d.deadline = None if timeout is None else time.monotonic() + timeout
         done = self._drain(math.inf, d.deadline) and d.stop(d.deadline)
         if not done and not d.take_over(grace=max(1.0, timeout or 0.0)):
             _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "
@@ -714,20 +716,20 @@ def _check_timeout(v: Any, name: str = "timeout") -> float | None:
 
 @atexit.register
 def _close_all() -> None:
-    """Close what is still open, including a close() an interrupt cut short; one more Ctrl-C
-    here is taken as "finish anyway", a second as "give up"."""
+    """Close what is still open, including a close() an interrupt cut short (double or triple
+    Ctrl-C): an interrupt here is taken as "finish anyway" three times, the fourth gives up."""
     for log in list(_live):
-        for attempt in (1, 2):
+        for attempt in range(1, 5):
             try:
                 log.close()
                 break
             except KeyboardInterrupt:
-                if attempt == 2:
-                    _log.error("syncless: closing %r at exit interrupted twice: rows not "
-                               "delivered yet are lost", log)
+                if attempt == 4:
+                    _log.error("syncless: closing %r at exit interrupted %d times: rows not "
+                               "delivered yet are lost", log, attempt)
                 else:
                     _log.warning("syncless: closing %r at exit was interrupted; finishing it "
-                                 "(interrupt again to give up)", log)
+                                 "(interrupt %d more times to give up)", log, 4 - attempt)
             except Exception as exc:
                 _log.error("syncless: closing %r at exit failed: %s", log, exc)
                 break
