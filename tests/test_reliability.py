@@ -560,9 +560,9 @@ def test_a_signal_handler_that_flushes_or_closes_200_trials(device, delivery):
 
 
 CLOSE_INTERRUPTED = """
-    import json, os, signal, threading, time, syncless
+    import json, os, signal, threading, time, torch, syncless
 
-    path, interrupts, retry = {path!r}, {interrupts}, {retry}
+    path, interrupts, retry, device = {path!r}, {interrupts}, {retry}, {device!r}
     gate = threading.Event()
     closes = []
 
@@ -589,7 +589,7 @@ CLOSE_INTERRUPTED = """
 
     log = syncless.Logger(every=10, windows=16, sinks=[Slow(), Other()])
     for i in range(100):
-        log(x=float(i))
+        log(x=torch.tensor(float(i), device=device))
     main = threading.main_thread().ident
     closing = threading.Event()
 
@@ -619,14 +619,14 @@ CLOSE_INTERRUPTED = """
     (2, 0), (3, 3), pytest.param(3, 0, marks=pytest.mark.slow),
     pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_a_close_interrupted_by_ctrl_c_is_finished_by_the_next_close_or_at_exit(
-        tmp_path, interrupts, retry):
+        device, tmp_path, interrupts, retry):
     """Ctrl-C twice or three times while close() waits for a slow sink: the next close() (or,
     with none, the exit hook) delivers every queued row and closes every sink. Before, the
     second interrupt left the sinks unclosed and the logger marked closed, so later close()
     calls and the exit hook did nothing (10 of 100 rows on disk)."""
     path = tmp_path / "m.jsonl"
-    r = run_python(CLOSE_INTERRUPTED.format(path=str(path), interrupts=interrupts, retry=retry),
-                   timeout=120)
+    r = run_python(CLOSE_INTERRUPTED.format(path=str(path), interrupts=interrupts, retry=retry,
+                                            device=device), timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     caught = int(r.stdout.split("caught ")[1].split()[0])
     assert caught >= 1, r.stdout                      # close() was cut short at least once
@@ -636,18 +636,19 @@ def test_a_close_interrupted_by_ctrl_c_is_finished_by_the_next_close_or_at_exit(
 
 
 @pytest.mark.parametrize("delivery", ["thread", "caller"])
-def test_close_gives_up_on_an_attached_fn_that_never_returns_and_says_so(delivery, caplog):
+def test_close_gives_up_on_an_attached_fn_that_never_returns_and_says_so(device, delivery,
+                                                                        caplog):
     """close() waits for late values close_timeout seconds at most, then delivers the rows
     without them, counts them in stats.missing and names them in one warning. Before, an
     attach() fn that never returned blocked close() and interpreter exit forever."""
     never = threading.Event()
     got = Collect()
     log = syncless.Logger(every=10, sinks=[got], delivery=delivery, close_timeout=0.3)
-    log(x=0.0)
-    log(x=1.0)
+    log(x=value(0, device))
+    log(x=value(1, device))
     log.attach("hung", lambda: never.wait() or 1.0, step=1)
     log.attach("fine", lambda: 2.5, step=1)
-    log(x=2.0)
+    log(x=value(2, device))
     log.close()                                   # the test's own timeout would catch a hang
     never.set()                                   # the fn's thread, left behind, ends
     assert got.rows == [(0, {"x": 0.0}), (1, {"x": 1.0, "fine": 2.5}), (2, {"x": 2.0})]
@@ -656,21 +657,43 @@ def test_close_gives_up_on_an_attached_fn_that_never_returns_and_says_so(deliver
     assert len(warned) == 1 and "'hung' at step 1" in warned[0] and "0.3 s" in warned[0]
 
 
-def test_close_gives_up_on_an_fn_the_delivery_thread_is_already_stuck_in(caplog):
+def test_close_gives_up_on_an_fn_the_delivery_thread_is_already_stuck_in(device, caplog):
     """The delivery thread called the fn before close() (a window closed at step 3) and never
     came back: close() takes over after its timeout and delivers every row itself."""
     never = threading.Event()
     got = Collect()
     log = syncless.Logger(every=2, sinks=[got], close_timeout=0.3)
-    log(x=0.0)
+    log(x=value(0, device))
     log.attach("hung", lambda: never.wait() or 1.0)
     for i in range(1, 6):
-        log(x=float(i))
+        log(x=value(i, device))
     log.close()
     never.set()                                   # let the stuck thread go; it changes nothing
     assert got.rows == [(i, {"x": float(i)}) for i in range(6)]
     assert log.stats.missing == 1 and log.stats.delivered == 6
     assert sum("'hung' at step 0" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_close_gives_up_on_a_timer_whose_stream_does_not_complete(delivery, caplog):
+    """A timer around work on a stream that does not complete in time (a 3 s kernel, for
+    close_timeout=0.3): close() delivers the rows without its value and says which it is."""
+    got = Collect()
+    log = syncless.Logger(every=100, sinks=[got], delivery=delivery, close_timeout=0.3)
+    log(x=torch.ones((), device="cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with syncless.timer("stuck_ms", log=log):
+            torch.cuda._sleep(int(3 * 2.5e9))      # ~3 s at any clock below 2.5 GHz
+    log(x=torch.full((), 2.0, device="cuda"))
+    log.close()
+    side.synchronize()
+    assert got.rows == [(0, {"x": 1.0}), (1, {"x": 2.0})]
+    assert log.stats.missing == 1 and log.stats.delivered == 2
+    warned = [r.getMessage() for r in caplog.records if "stopped waiting" in r.getMessage()]
+    assert len(warned) == 1 and "'stuck_ms' at step 0" in warned[0]
 
 
 def test_close_timeout_is_checked():

@@ -439,6 +439,11 @@ class Delivery:
     def on_thread(self) -> bool:
         return threading.get_ident() == self._ident
 
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The thread that delivers now, if any (benchmarks read its CPU time)."""
+        return self._consumer
+
     def refuse_on_thread(self, what: str) -> None:
         if self._pumping and self._pumping == threading.get_ident():
             raise RuntimeError(
@@ -462,7 +467,7 @@ class Delivery:
         self._claim = threading.Lock()
         self._commit = threading.Lock()
         self._pumping = 0
-        self._live = False
+        self._used = self._live = False
         self._consumer = None
         self._ident = -1
         self._held = []

@@ -319,7 +319,8 @@ class Logger:
         in the loop, at a flush: one with a `poll()` method (None until the value is known, as
         a timer's reader has) holds the row back to a later flush instead of being waited for.
         Values attached under one name for one step add up. If the step's row already went to
-        the sinks, the value comes as a row of its own at that step (`row.late` is True)."""
+        the sinks, the value comes as a row of its own at that step (`row.late` is True).
+        close() waits for a value `close_timeout` seconds at most (see Logger)."""
         if self._closed:
             self._refuse_closed()
         if not isinstance(name, str):
