@@ -73,8 +73,9 @@ WORKER = textwrap.dedent("""
         kept = []
         latency = None
         deadline = time.perf_counter() + 5.0
+        sender = threading.Thread(target=send, daemon=True)
         try:
-            threading.Thread(target=send, daemon=True).start()   # a busy host may be slow here
+            sender.start()                        # a busy host may be slow here: inside the try
             i = 0
             while time.perf_counter() < deadline:
                 x = torch.tensor(float(i))
@@ -88,7 +89,9 @@ WORKER = textwrap.dedent("""
                 i += 1
         except KeyboardInterrupt:
             latency = time.perf_counter() - sent[0]
-        if blocked is None:
+        if blocked is None:                       # the logger's threads are alive here
+            sender.join()
+            time.sleep(0.02)                      # glibc blocks all signals in an ending thread
             blocked = masks()
         if log is not None:
             log.close()
