@@ -494,8 +494,8 @@ HANDLER_TRIALS = """
             at = returned
             try:
                 getattr(log, action)()
-            except RuntimeError as exc:           # caller: it interrupted the delivery itself
-                assert delivery == "caller" and "signal handler" in str(exc), exc
+            except RuntimeError as exc:           # it interrupted the delivery itself (caller)
+                assert "signal handler that interrupted" in str(exc), exc    # or a sink's close
                 refused += 1
             else:
                 seen.append((at, on_disk()))      # what was accepted is out when it returns

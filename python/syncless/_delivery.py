@@ -271,6 +271,7 @@ class Delivery:
         self.missing: list[str] = []         # late values close() stopped waiting for
         self._hold = False                   # only once late values are in use
         self._closed_sinks = 0               # close_sinks() is resumable
+        self._closing = 0                    # the thread inside a sink's close()
         self._failed: set[int] = set()
         self._last_gpu_ns: int | None = None
         self._gpu_offset: int | None = None  # min(gpu_ns - host_ns): the clocks' alignment
@@ -423,17 +424,25 @@ class Delivery:
     def close_sinks(self) -> None:
         """Every sink's close(), once; an interrupt leaves the rest (and the sink it cut short:
         closing is idempotent) to the next call."""
+        if self._closing == threading.get_ident():
+            raise RuntimeError(
+                "syncless.Logger: close() was called from a signal handler that interrupted this "
+                "logger's own close() while it closed a sink; the close() it interrupted finishes "
+                "(or, if the handler raises, the next close() or the exit hook)")
         sinks = self.sinks
         while self._closed_sinks < len(sinks):
             i = self._closed_sinks
             fn = getattr(sinks[i], "close", None)
             if fn is not None:
+                self._closing = threading.get_ident()
                 try:
                     fn()
                 except BaseException as exc:
                     if by_signal(exc):
                         raise
                     self._sink_failed(i, sinks[i], exc)
+                finally:
+                    self._closing = 0
             self._closed_sinks = i + 1
 
     def on_thread(self) -> bool:

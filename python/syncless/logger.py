@@ -194,6 +194,8 @@ class Logger:
         self._gen: _Generation | None = None
         self._ring = None                     # self._gen.ring, kept at hand for the hot path
         self._windows = 0
+        self._copying: _Window | None = None  # the window of a hand-over until its commit
+        self._parked: list[_Window] = []      # see _park
         # used by threads=True, flush() and close(); re-entrant, for a signal handler's flush()
         self._lock = threading.RLock()
         self._owner = _SHARED if threads else _UNOWNED
@@ -473,9 +475,12 @@ class Logger:
             self._wait_for_window()
             if self._delivery.caller:
                 self._deliver_here()             # the windows landed: rows out, windows back
+            if self._copying is not None or self._parked:
+                self._park()
             w = self._pool.reuse()
             if w is None:
                 w = _Window(self._device, gen.nbytes)
+            self._copying = w
             if self._reducer is not None:    # enqueued before the copy, same stream
                 self._reducer.reduce_ring(gen.memory, ring.capacity, ring.columns, self._names)
             ring.copy_to(w.win)
@@ -484,6 +489,16 @@ class Logger:
             self._since_flush = 0                # the counts: plain assignments (see above)
             self._windows += 1
             self._pool.taken = ticket
+            self._copying = None
+
+    def _park(self) -> None:
+        """A hand-over an interrupt cut short after its copy may have left its window out of
+        every job, with the copy still writing into it: kept alive until that copy is done
+        (freed pinned memory goes back to torch's cache, which knows nothing of our copy)."""
+        if self._copying is not None:
+            self._parked.append(self._copying)
+            self._copying = None
+        self._parked = [w for w in self._parked if not w.win.ready()]
 
     def _hand_over_host_rows(self) -> None:
         rows = self._host_rows
