@@ -129,12 +129,13 @@ class Pool:
 
 
 class _Late:
-    __slots__ = ("step", "name", "resolve", "value", "missing")
+    __slots__ = ("step", "name", "resolve", "value", "missing", "runner")
 
     def __init__(self, step: int, name: str, resolve: Callable[[], float]):
         self.step, self.name, self.resolve = step, name, resolve
         self.value: float | None = None      # known without waiting (see _known), or resolved
         self.missing = False                 # close() gave up waiting for it
+        self.runner: tuple | None = None     # (thread, result box) of a bounded resolve
 
 
 def _known(late: _Late) -> bool:
@@ -635,15 +636,19 @@ class Delivery:
             while not _known(late) and time.monotonic() < deadline:
                 time.sleep(0.001)
         elif not late.missing:
-            box: list = []
+            if late.runner is None:          # one run, even if an interrupt comes back here
+                box: list = []
 
-            def run() -> None:
-                try:
-                    box.append(float(late.resolve()))
-                except BaseException as exc:
-                    box.append(exc)
-            t = threading.Thread(target=run, name="syncless-attach", daemon=True)
-            t.start()
+                def run() -> None:
+                    try:
+                        box.append(float(late.resolve()))
+                    except BaseException as exc:
+                        box.append(exc)
+                late.runner = threading.Thread(target=run, name="syncless-attach",
+                                               daemon=True), box
+            t, box = late.runner
+            if t.ident is None:
+                t.start()
             t.join(max(deadline - time.monotonic(), 0.05))
             if box and isinstance(box[0], BaseException):
                 raise box[0]
