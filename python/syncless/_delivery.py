@@ -182,6 +182,7 @@ def _acquire(lock: Any, deadline: float | None) -> bool:
     return lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
 
 
+_RUNNERS = threading.Lock()                      # starts the threads of bounded resolves
 _RESUME = dis.opmap.get("RESUME", -1)             # a function's first instruction (3.11+)
 _RAISES = frozenset(dis.opmap[n] for n in ("RAISE_VARARGS", "RERAISE") if n in dis.opmap)
 
@@ -636,19 +637,19 @@ class Delivery:
             while not _known(late) and time.monotonic() < deadline:
                 time.sleep(0.001)
         elif not late.missing:
-            if late.runner is None:          # one run, even if an interrupt comes back here
-                box: list = []
+            with _RUNNERS:                   # one run, for the thread and take_over() both
+                if late.runner is None:
+                    box: list = []
 
-                def run() -> None:
-                    try:
-                        box.append(float(late.resolve()))
-                    except BaseException as exc:
-                        box.append(exc)
-                late.runner = threading.Thread(target=run, name="syncless-attach",
-                                               daemon=True), box
+                    def run() -> None:
+                        try:
+                            box.append(float(late.resolve()))
+                        except BaseException as exc:
+                            box.append(exc)
+                    t = threading.Thread(target=run, name="syncless-attach", daemon=True)
+                    t.start()
+                    late.runner = t, box
             t, box = late.runner
-            if t.ident is None:
-                t.start()
             t.join(max(deadline - time.monotonic(), 0.05))
             if box and isinstance(box[0], BaseException):
                 raise box[0]
