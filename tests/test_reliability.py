@@ -701,6 +701,43 @@ def test_close_gives_up_on_a_timer_whose_stream_does_not_complete(delivery, capl
     assert len(warned) == 1 and "'stuck_ms' at step 0" in warned[0]
 
 
+def test_a_ctrl_c_inside_a_dropped_loggers_close_is_finished_and_not_swallowed(tmp_path):
+    """A Logger dropped without close() closes in its finalizer, where a Ctrl-C would be printed
+    and dropped ("Exception ignored in ...") with the close cut short and the logger out of the
+    exit hook's reach: the finalizer finishes the close and hands the interrupt back."""
+    path = tmp_path / "m.jsonl"
+    main = threading.main_thread().ident
+    sent = []
+
+    class CtrlCOnClose:
+        def write(self, rows):
+            pass
+
+        def close(self):
+            if not sent:
+                sent.append(1)
+                signal.pthread_kill(main, signal.SIGINT)   # Ctrl-C, while closing
+                time.sleep(5)                               # interrupted at once
+
+    def train():
+        log = syncless.Logger(every=3, sinks=[JSONL(path), CtrlCOnClose()])
+        for i in range(5):
+            log(x=float(i))
+        # no close(): the local goes out of scope here
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train()
+            for _ in range(10_000):                        # bytecodes to be interrupted in
+                time.sleep(0.0001)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert sent == [1]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(i, float(i)) for i in range(5)]
+
+
 def test_close_timeout_is_checked():
     with pytest.raises(ValueError, match="close_timeout must be a number of seconds"):
         syncless.Logger(close_timeout=-1)

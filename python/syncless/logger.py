@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import sys
+import _thread
 import threading
 import time
 import weakref
@@ -629,10 +630,23 @@ class Logger:
             self._closed = self._finished = True
             self._delivery.stop()
             return
-        try:
-            self.close()
-        except Exception as exc:
-            _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+        # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored
+        # in"), and this logger, unreachable, is out of the exit hook's reach: finish the close,
+        # then hand the interrupt back to the main thread once this finalizer has returned (a
+        # handler tripped now would run in it again: a few ms later, from a thread).
+        interrupted = False
+        for _ in range(3):
+            try:
+                self.close()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+            except Exception as exc:
+                _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+                break
+        if interrupted:
+            threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
+                             daemon=True).start()
 
     def _after_fork_in_child(self) -> None:
         """The child of os.fork() inherits this object but not its delivery thread, and its
@@ -712,6 +726,11 @@ class Logger:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.01)
+    _thread.interrupt_main()
 
 
 def _forked_child() -> None:
