@@ -449,6 +449,50 @@ def test_a_sinks_child_ends_on_sigterm_and_no_thread_has_a_signal_blocked(device
     assert "caller codes [-15, -15, -15] new threads 0" in r.stdout
 
 
+def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(device):
+    """log() waits for a free window (the sink holds the only one); a signal handler's flush()
+    runs inside that wait, waits for the same window, hands the rows over and returns once they
+    are out; then the interrupted log() goes on and hands nothing over twice. Before, the
+    handler's flush() waited on the lock its own thread held (caller) or took the wake-up the
+    interrupted wait then waited for forever."""
+    gate, in_handler = threading.Event(), threading.Event()
+    got, flushed = Collect(), []
+
+    class Slow:
+        def write(self, rows):
+            gate.wait(60)
+            got.write(rows)
+
+    log = syncless.Logger(every=2, windows=1, sinks=[Slow()])
+    main = threading.get_ident()
+
+    def handler(signum, frame):
+        in_handler.set()
+        log.flush()
+        flushed.append(log.stats.delivered)
+
+    def poke():
+        deadline = time.monotonic() + 60
+        while log._pool.waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        signal.pthread_kill(main, signal.SIGUSR1)
+        in_handler.wait(60)
+        time.sleep(0.05)                          # the handler's flush waits too, then both go
+        gate.set()
+
+    before = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Thread(target=poke, daemon=True).start()
+        for i in range(8):
+            log(x=value(i, device))
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    log.close()
+    assert flushed == [4]                         # steps 0-3: all accepted when it ran
+    assert got.rows == [(i, {"x": float(i)}) for i in range(8)]
+    assert log.stats.delivered == 8 and log.stats.waits >= 1
+
+
 HANDLER_TRIALS = """
     import faulthandler, json, os, random, signal, sys, tempfile, time
     import torch, syncless
