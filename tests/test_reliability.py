@@ -452,9 +452,7 @@ def test_a_sinks_child_ends_on_sigterm_and_no_thread_has_a_signal_blocked(device
 def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(device):
     """log() waits for a free window (the sink holds the only one); a signal handler's flush()
     runs inside that wait, waits for the same window, hands the rows over and returns once they
-    are out; then the interrupted log() goes on and hands nothing over twice. Before, the
-    handler's flush() waited on the lock its own thread held (caller) or took the wake-up the
-    interrupted wait then waited for forever."""
+    are out; then the interrupted log() goes on and hands nothing over twice."""
     gate, in_handler = threading.Event(), threading.Event()
     got, flushed = Collect(), []
 
