@@ -56,7 +56,6 @@ NAMES = ["no log", "log() inside", cs.CALLER, cs.DELIVERED_APART]
 def time_pieces(log):
     """Wrap the calls log.flush(wait=False) makes in timers: {piece: [ns, ...]}. The rest of
     the call (torch.cuda.device's context, attribute work) is the whole less these."""
-    from syncless import _C
     spent = collections.defaultdict(list)
 
     def wrap(owner, name, label):
@@ -79,9 +78,7 @@ def time_pieces(log):
     cuda = log._gen is not None
     if cuda:
         log._gen.ring = Ring(log._gen.ring)
-    for owner, name, label in [(_C, "defer_signals", "signals deferred"),
-                               (_C, "restore_signals", "signals restored"),
-                               (log._pool, "wait", "Pool.wait"),
+    for owner, name, label in [(log._pool, "wait", "Pool.wait"),
                                (log._pool, "reuse", "Pool.reuse"),
                                *([(log._gen.ring, "capturing", "ring.capturing()"),
                                   (log._gen.ring, "copy_to", "ring.copy_to (copy + event)")]

@@ -85,10 +85,6 @@ def flush_parts() -> None:
         log.log(m4)
         log.flush(wait=False)
 
-    def mask_cycle():
-        _C.defer_signals(lg._ASYNC)
-        _C.restore_signals()
-
     def device_ctx():
         with torch.cuda.device(log._device):
             pass
@@ -103,7 +99,6 @@ def flush_parts() -> None:
         ("log.log(K=4) + flush(wait=False)", log_and_flush),
         ("log.log(K=4) alone (same logger)", lambda: log.log(m4)),
         ("with torch.cuda.device(...)", device_ctx),
-        ("signals deferred and restored (C)", mask_cycle),
         ("ring.capturing()", ring.capturing),
         ("ring.copy_to + wait + empty decode", copy_cycle),
         ("Pool.reuse()", log._pool.reuse),

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
-import signal
 import sys
+import _thread
 import threading
 import time
 import weakref
@@ -49,29 +50,15 @@ _DELIVERING = -3                             # ... while delivery="caller" runs 
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 _INF = float("inf")
 
-# ---- a hand-over no signal handler can cut in two ------------------------------------------------
-# Python runs signal handlers (Ctrl-C's KeyboardInterrupt) on the main thread between bytecodes, so
-# an exception can land between handing rows to the delivery thread and recording that it was
-# done: rows delivered twice, or a window never counted back (the next flush then waits
-# forever). A flush hands over with the asynchronous signals below held: blocked on this thread,
-# and, for those with a Python handler, passed on to it from any other thread the OS gives them
-# to (a CUDA driver thread), so their handlers run as the hand-over ends (a signal without a
-# Python handler only has its default action delayed that long). With delivery="caller" the
-# sinks run inside that hand-over too. The waits before it (for a free window, for a copy) stay
-# interruptible. A few system calls per flush, in C (_C.defer_signals keeps the mask and the
-# handlers to restore, so no exception can lose them), on the main thread only (Python runs
-# handlers nowhere else); where there is no pthread_sigmask (Windows) the hand-over is not
-# protected.
-_ASYNC = tuple(int(getattr(signal, n)) for n in (
-    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1",
-    "SIGUSR2", "SIGCHLD", "SIGWINCH", "SIGPIPE", "SIGXCPU")
-    if hasattr(signal, n)) if hasattr(signal, "pthread_sigmask") else ()
-_MAIN_THREAD = threading.main_thread().ident
-
-
-def _defers() -> bool:
-    """Does a hand-over on this thread block the asynchronous signals? (The main thread's.)"""
-    return bool(_ASYNC) and _get_ident() == _MAIN_THREAD
+# Interrupts. Nothing here blocks a signal or changes a handler (a thread inherits its creator's
+# mask, and every process a sink starts inherits its thread's). Python runs signal handlers (Ctrl-C,
+# a preemption handler that flushes or closes) on the main thread at a function's start, after a
+# call returns and at a loop's jump back, never inside a run of plain assignments. So a hand-over
+# submits first and then counts, in one such run, and a hand-over submitted twice (an interrupt
+# between the two, or a handler's flush() inside the first) delivers its rows once: a window's
+# decode starts at its generation's next sequence number, host rows are taken by list and count
+# (_delivery). The waits before a hand-over change nothing, so an interrupt there loses nothing.
+_NO_TIMEOUT = object()
 
 
 class LoggerStats(NamedTuple):
@@ -83,6 +70,8 @@ class LoggerStats(NamedTuple):
     lost: int                        # rows overwritten before a flush (graph replays only)
     sink_errors: int                 # exceptions raised by sinks (each sink reported once)
     late_errors: int                 # attached values that failed, were refused or collided
+    missing: int = 0                 # late values (attach(), timers) and device copies that
+                                     # close() stopped waiting for after close_timeout
 
 
 class _Generation:
@@ -165,14 +154,27 @@ class Logger:
     have landed by then (an event query; it waits only when every window is undelivered), so
     rows reach the sinks one flush later and no second thread competes for the GIL: the choice
     for a host-bound loop (a small compiled or graphed step) with quick sinks. The sinks' time
-    is then the loop's, and signals (Ctrl-C) wait until the sinks return.
+    is then the loop's, and so are its interrupts: a Ctrl-C that lands inside a sink's write()
+    stops that sink there (the next flush goes on from the next sink, or from that one if it had
+    not begun), so a sink that must not be cut short belongs to the default delivery.
+
+    `close_timeout` (seconds, default 30; None: no bound) is how long close() and interpreter
+    exit wait for late values (an attach() fn, a timer on a stream that never completes) and
+    device copies; what did not come by then is left out of the rows, counted in
+    `stats.missing` and named in one warning, and close() returns.
+
+    Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
+    take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
+    loop it interrupted is inside log(), flush() or close(): every row accepted is delivered
+    once, and close() interrupted (a second Ctrl-C) is finished by the next close() or at exit.
     """
 
     def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
                  device: str | int | torch.device | None = None, capacity: int | None = None,
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
-                 delivery: str = "thread", max_delay: float | None = 2.0):
+                 delivery: str = "thread", max_delay: float | None = 2.0,
+                 close_timeout: float | None = 30.0):
         for name, v in (("every", every), ("windows", windows)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -184,6 +186,7 @@ class Logger:
                 raise ValueError(f"capacity ({capacity}) must hold at least one window "
                                  f"({every} rows)")
         sinks = _check_sinks(sinks)
+        self.close_timeout = _check_timeout(close_timeout, "close_timeout")
         if sinks_on not in ("rank0", "all"):
             raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
         if delivery not in ("thread", "caller"):
@@ -208,14 +211,18 @@ class Logger:
         self._calls = 0
         self._since_flush = 0
         self._flush_due = False
-        self._closed = False
+        self._closed = False                  # log() refuses from here on
+        self._finished = False                # close() ran to its end
         self._forked = False
         self._host_rows: list[Row] = []
         self._device = -1
         self._gen: _Generation | None = None
         self._ring = None                     # self._gen.ring, kept at hand for the hot path
         self._windows = 0
-        self._lock = threading.Lock()         # used by threads=True, flush() and close()
+        self._copying: _Window | None = None  # the window of a hand-over until its commit
+        self._parked: list[_Window] = []      # see _park
+        # used by threads=True, flush() and close(); re-entrant, for a signal handler's flush()
+        self._lock = threading.RLock()
         self._owner = _SHARED if threads else _UNOWNED
         self._shared = bool(threads)
         self._pool = Pool(windows)
@@ -270,6 +277,8 @@ class Logger:
             self._log_host(metrics, step)
             return
         now = time.time()
+        if self._closed:                     # a signal handler closed it since the check above
+            self._refuse_closed()
         # Counted before the launch: a signal that arrived during the C call is handled as it
         # returns, and the exception its handler raises must find the row counted (else the
         # host would trail the ring by a step). A gather that raised before it launched (a new
@@ -347,7 +356,8 @@ class Logger:
         a complex), and an exception from resolve(), are reported once per name and counted in
         `stats.late_errors`; the row goes out without it. A name is either logged or attached:
         one log() already wrote is refused here, and if log() writes it at that step later, the
-        logged value is kept and the attached one reported and counted the same way."""
+        logged value is kept and the attached one reported and counted the same way. close()
+        waits for a value `close_timeout` seconds at most (see Logger)."""
         if self._closed:
             self._refuse_closed()
         if not isinstance(name, str):
@@ -403,8 +413,10 @@ class Logger:
         self._add_columns(metrics)
         now = time.time()
         row = Row(step, now, values)
-        # The counters first, the row last: an interrupt between them leaves a step without a
-        # row (the call raised), never a row whose step the next call takes again.
+        if self._closed:                     # a signal handler closed it since the check above
+            self._refuse_closed()
+        # From here to the append no handler runs (plain assignments, see above): the row is
+        # counted and kept whole, or the call raised before either.
         self._calls += 1
         self._next_step = step + 1
         self._last_step = step
@@ -503,57 +515,54 @@ class Logger:
             return
         gen = self._gen
         ring = gen.ring
-        caller = self._delivery.caller
         with torch.cuda.device(self._device):
             if ring.capturing():
                 # No copies inside a capture: the next eager call hands the window over.
                 self._flush_due, self._deadline = True, -_INF
                 return
-            # An interrupt while waiting for a window leaves every row in the ring for the
-            # next flush; the hand-over itself runs with signals deferred (_C.defer_signals).
             self._wait_for_window()
-            defers = _defers()
-            try:
-                if defers:
-                    _C.defer_signals(_ASYNC)
-                if caller:
-                    self._deliver_here()             # the windows landed: rows out, windows back
-                w = self._pool.reuse()
-                if w is None:
-                    w = _Window(self._device, gen.nbytes)
-                if self._reducer is not None:    # enqueued before the copy, same stream
-                    self._reducer.reduce_ring(gen.memory, ring.capacity, ring.columns,
-                                              self._names)
-                ring.copy_to(w.win)
-                self._since_flush = 0
-                self._windows += 1
-                self._delivery.submit_window(gen, w, time.time())
-                self._pool.taken += 1
-            finally:
-                if defers:
-                    _C.restore_signals()
+            if self._delivery.caller:
+                self._deliver_here()             # the windows landed: rows out, windows back
+            if self._copying is not None or self._parked:
+                self._park()
+            w = self._pool.reuse()
+            if w is None:
+                w = _Window(self._device, gen.nbytes)
+            self._copying = w
+            if self._reducer is not None:    # enqueued before the copy, same stream
+                self._reducer.reduce_ring(gen.memory, ring.capacity, ring.columns, self._names)
+            ring.copy_to(w.win)
+            ticket = self._pool.taken + 1
+            self._delivery.submit_window(gen, w, time.time(), ticket)
+            self._since_flush = 0                # the counts: plain assignments (see above)
+            self._windows += 1
+            self._pool.taken = ticket
+            self._copying = None
+
+    def _park(self) -> None:
+        """A hand-over an interrupt cut short after its copy may have left its window out of
+        every job, with the copy still writing into it: kept alive until that copy is done
+        (freed pinned memory goes back to torch's cache, which knows nothing of our copy)."""
+        if self._copying is not None:
+            self._parked.append(self._copying)
+            self._copying = None
+        self._parked = [w for w in self._parked if not w.win.ready()]
 
     def _hand_over_host_rows(self) -> None:
-        if not self._host_rows:
-            return
         rows = self._host_rows
-        if self._reducer is not None:
-            rows = self._reducer.reduce_rows(rows, self._names)
+        if not rows:
+            return
+        n = len(rows)
+        out = rows if self._reducer is None else self._reducer.reduce_rows(rows, self._names)
         self._wait_for_window()              # may wait; an interrupt here loses nothing
-        defers = _defers()
-        try:
-            if defers:
-                _C.defer_signals(_ASYNC)
-            self._delivery.submit_rows(rows)
-            self._pool.taken += 1
-            self._host_rows = []
-            self._since_flush = 0
-            self._windows += 1
-            if self._delivery.caller:
-                self._deliver_here()         # host rows need no copy: out at once
-        finally:
-            if defers:
-                _C.restore_signals()
+        ticket = self._pool.taken + 1
+        self._delivery.submit_rows(rows, n, out, ticket)
+        self._host_rows = []                 # the counts: plain assignments (see above)
+        self._since_flush = 0
+        self._windows += 1
+        self._pool.taken = ticket
+        if self._delivery.caller:
+            self._deliver_here()             # host rows need no copy: out at once
 
     def _wait_for_window(self) -> None:
         """Backpressure before a hand-over: wait while every window is undelivered. The
@@ -569,9 +578,9 @@ class Logger:
             d.wait_landed(over)
 
     def _deliver_here(self, upto: float | None = None) -> None:
-        """delivery="caller", with signals deferred: run the pending jobs whose copies landed
-        (upto given: all of them, then the drain up to that step). Meanwhile the logger has no
-        owner, so a sink's log() is refused as a call from elsewhere, and never recurses."""
+        """delivery="caller": run the pending jobs whose copies landed (upto given: all of
+        them, then the drain up to that step). Meanwhile the logger has no owner, so a sink's
+        log() is refused as a call from elsewhere, and never recurses."""
         owner, self._owner = self._owner, _DELIVERING
         try:
             if upto is None:
@@ -582,23 +591,17 @@ class Logger:
         finally:
             self._owner = owner
 
-    def _drain(self, upto: float) -> None:
-        """Return once every row handed over reached the sinks, and the sinks were flushed."""
+    def _drain(self, upto: float, deadline: float | None = None) -> bool:
+        """Return once every row handed over reached the sinks, and the sinks were flushed
+        (False: the thread did not get there by `deadline`)."""
         d = self._delivery
         if not d.caller:
-            d.drain(upto)
-            return
+            return d.drain(upto, deadline)
         d.refuse_on_thread("flush() or close()")
         with self._lock:                     # the sinks run on this thread: one at a time
             d.wait_landed(d.pending())       # interruptible; nothing changes meanwhile
-            defers = _defers()
-            try:
-                if defers:
-                    _C.defer_signals(_ASYNC)
-                self._deliver_here(upto)
-            finally:
-                if defers:
-                    _C.restore_signals()
+            self._deliver_here(upto)
+        return True
 
     # ---- draining ----------------------------------------------------------------------------
 
@@ -607,6 +610,8 @@ class Logger:
         have them. wait=False only enqueues the copy (useful between CUDA graph replays)."""
         self._delivery.refuse_on_thread("flush()")
         if self._closed:
+            if not self._finished and wait:
+                self.close()                 # a close() an interrupt cut short: finish it
             return
         with self._lock:
             if self._gen is not None and self._gen.ring.capturing():
@@ -616,28 +621,41 @@ class Logger:
         if wait:
             self._drain(upto)
 
-    def close(self) -> None:
-        """Deliver everything, close the sinks and stop the delivery thread. Idempotent."""
+    def close(self, timeout: Any = _NO_TIMEOUT) -> None:
+        """Deliver everything, close the sinks and stop the delivery thread. Idempotent, and
+        resumable: a close() an interrupt cut short (a second Ctrl-C) is finished by the next
+        call, or at interpreter exit. Late values (attach(), timers) and device copies are
+        waited for `timeout` seconds at most (default: the Logger's close_timeout, 30 s; None:
+        no bound); those that did not come are left out, counted in stats.missing and named in
+        one warning."""
         self._delivery.refuse_on_thread("close()")
-        if self._closed:
+        if self._finished:
             return
+        timeout = self.close_timeout if timeout is _NO_TIMEOUT else _check_timeout(timeout)
+        d = self._delivery
         with self._lock:
             if self._gen is not None and self._gen.ring.capturing():
                 # Refused before anything changes: the logger stays open and loses nothing.
                 raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
-            try:
-                self._flush_window()
-            finally:
-                self._closed = True
-        try:
-            self._drain(float("inf"))
-        finally:
-            self._delivery.stop()
-            self._delivery.call_sinks("close")
-            if self._gen is not None and self._gen.captured:
-                _captured_rings.append(self._gen.memory)
-            self._gen = self._ring = None
-            _live.discard(self)
+            # From here on late values are waited for until the deadline at most (with
+            # delivery="caller", the hand-over below already delivers).
+            d.deadline = None if timeout is None else time.monotonic() + timeout
+            self._closed = True
+            self._flush_window()
+        done = self._drain(math.inf, d.deadline) and d.stop(d.deadline)
+        if not done and not d.take_over(grace=max(1.0, timeout or 0.0)):
+            _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "
+                       "rows still queued were not delivered", timeout)
+        d.close_sinks()
+        if self._gen is not None and self._gen.captured:
+            _captured_rings.append(self._gen.memory)
+        self._gen = self._ring = None
+        self._finished = True
+        _live.discard(self)
+        if d.missing:
+            _log.warning("syncless: close() stopped waiting after %s s for %s; the rows went out "
+                         "without them (counted in stats.missing)", timeout,
+                         ", ".join(d.missing))
 
     def __enter__(self) -> "Logger":
         return self
@@ -648,7 +666,7 @@ class Logger:
     def __del__(self) -> None:
         # A Logger dropped without close() (a local in a function) still delivers its rows;
         # one that reduces across ranks cannot (closing is a collective every rank must join).
-        if getattr(self, "_closed", True) or getattr(self, "_pid", None) != os.getpid():
+        if getattr(self, "_finished", True) or getattr(self, "_pid", None) != os.getpid():
             return
         if self._reducer is not None:
             pending = self._calls - self._delivery.delivered
@@ -656,26 +674,39 @@ class Logger:
                 _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d "
                              "rows (steps after %d) were not delivered; close it on every rank",
                              pending, self._delivery.delivered_step)
-            self._closed = True
+            self._closed = self._finished = True
             self._delivery.stop()
             return
-        try:
-            self.close()
-        except Exception as exc:
-            _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+        # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored
+        # in"), and this logger, unreachable, is out of the exit hook's reach: finish the close,
+        # then hand the interrupt back to the main thread once this finalizer has returned (a
+        # handler tripped now would run in it again: a few ms later, from a thread).
+        interrupted = False
+        for _ in range(3):
+            try:
+                self.close()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+            except Exception as exc:
+                _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+                break
+        if interrupted:
+            threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
+                             daemon=True).start()
 
     def _after_fork_in_child(self) -> None:
         """The child of os.fork() inherits this object but not its delivery thread, and its
         rows belong to the parent: it must neither deliver them again nor wait for a thread
         that does not run. It becomes a closed logger that says why."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._owner = _UNOWNED
         self._pool = Pool(self._pool.limit)
         self._delivery.forget()
         self._host_rows = []
         self._gen = self._ring = None
         self._since_flush = 0
-        self._closed = self._forked = True
+        self._closed = self._finished = self._forked = True
         _live.discard(self)
 
     # ---- what users read ---------------------------------------------------------------------
@@ -740,7 +771,8 @@ class Logger:
     def stats(self) -> LoggerStats:
         d = self._delivery
         return LoggerStats(self._calls, d.delivered, self._windows, self._pool.waits,
-                           dict(d.nonfinite), d.lost, d.sink_errors, d.late_errors)
+                           dict(d.nonfinite), d.lost, d.sink_errors, d.late_errors,
+                           len(d.missing))
 
     @property
     def device(self) -> torch.device:
@@ -808,6 +840,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _interrupt_main_soon() -> None:
+    time.sleep(0.01)
+    _thread.interrupt_main()
+
+
 def _forked_child() -> None:
     for log in list(_live):
         log._after_fork_in_child()
@@ -816,10 +853,30 @@ def _forked_child() -> None:
 os.register_at_fork(after_in_child=_forked_child)
 
 
+def _check_timeout(v: Any, name: str = "timeout") -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {v!r}")
+    return float(v)
+
+
 @atexit.register
 def _close_all() -> None:
+    """Close what is still open, including a close() an interrupt cut short (double or triple
+    Ctrl-C): an interrupt here is taken as "finish anyway" three times, the fourth gives up."""
     for log in list(_live):
-        try:
-            log.close()
-        except Exception as exc:
-            _log.error("syncless: closing %r at exit failed: %s", log, exc)
+        for attempt in range(1, 5):
+            try:
+                log.close()
+                break
+            except KeyboardInterrupt:
+                if attempt == 4:
+                    _log.error("syncless: closing %r at exit interrupted %d times: rows not "
+                               "delivered yet are lost", log, attempt)
+                else:
+                    _log.warning("syncless: closing %r at exit was interrupted; finishing it "
+                                 "(interrupt %d more times to give up)", log, 4 - attempt)
+            except Exception as exc:
+                _log.error("syncless: closing %r at exit failed: %s", log, exc)
+                break
