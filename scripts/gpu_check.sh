@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: build, run the cuda-marked tests named in $TESTS (default: all), then the
+# On the GPU machine: build, run the cuda-marked tests named in $TESTS (default: all; slow ones too), then the
 # benchmarks named in $BENCH (module names, e.g. "benchmarks.percall benchmarks.adapters"). Logs and results land in $OUT (the device tool's folder) if set.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -7,7 +7,12 @@ OUT=${OUT:-/tmp/syncless-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "running pip as the 'root'" | tail -3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -m pytest ${TESTS:-tests} -m cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
+# Wheels carried in .whl (wandb, IPython: not in the machine's image) go to /tmp/site.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pytest ${TESTS:-tests} -m cuda --run-slow ${PYTEST_ARGS:-} -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
 RES=/tmp/syncless-results
 mkdir -p "$RES"
 for b in $BENCH; do
