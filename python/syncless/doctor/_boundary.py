@@ -77,6 +77,9 @@ class Boundaries:
         self.optimizers: list = []             # every optimizer stepped, in order of first step
         self.model = None                      # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
+        self.optimizer_made = False            # a torch optimizer was constructed
+        self.forward_only = 0                  # model calls with autograd off (evaluation)
+        self._optimizer_init = None            # Optimizer.__init__ while it is replaced
         self._handles: list = []
         self._backward = None
         self._module_call = None               # nn.Module.__call__ while it is replaced
@@ -126,6 +129,16 @@ class Boundaries:
             return out
 
         torch.autograd.backward = backward
+        # An optimizer made but not stepped yet: the model calls that come first (nanoGPT's
+        # estimate_loss() at iteration 0, Lightning's sanity check) are an evaluation, not the
+        # step (ScriptSession waits for the training step).
+        init = self._optimizer_init = torch.optim.Optimizer.__init__
+
+        def optimizer_init(optimizer, *args, **kwargs):
+            init(optimizer, *args, **kwargs)
+            self.optimizer_made = True
+
+        torch.optim.Optimizer.__init__ = optimizer_init
         if self.step_at is not None:
             self._watch_line(*self.step_at)
 
@@ -140,6 +153,9 @@ class Boundaries:
         if self._backward is not None:
             torch.autograd.backward = self._backward
             self._backward = None
+        if self._optimizer_init is not None:
+            torch.optim.Optimizer.__init__ = self._optimizer_init
+            self._optimizer_init = None
         if self._tool is not None:
             mon, tool = sys.monitoring, self._tool
             mon.set_events(tool, 0)
@@ -191,6 +207,8 @@ class Boundaries:
         self._handles.append(module.register_forward_pre_hook(self._on_model_call))
 
     def _on_model_call(self, module, args) -> None:
+        if not torch.is_grad_enabled():          # no_grad, inference_mode: forward only
+            self.forward_only += 1
         if not self.autocast:
             try:
                 self.autocast = torch.is_autocast_enabled("cuda")

@@ -8,7 +8,7 @@ import os
 from time import perf_counter, thread_time
 from typing import Any, Callable
 
-__all__ = ["cpu_count", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
+__all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
 
 HEADROOM = 1.1      # workers for 10% more throughput than the step needs: batch times jitter
 
@@ -36,6 +36,16 @@ def loader_settings(loader: Any) -> dict:
                 "prefetch_factor": getattr(loader, "_prefetch_factor", None),
                 "batch_size": None}
     return {}
+
+
+def ready_batches(it: Any) -> int | None:
+    """Batches a DataLoader iterator's workers have made and the steps have not taken yet (its
+    queue, and those that came out of order); None where the queue cannot say (macOS)."""
+    try:
+        queued = it._data_queue.qsize()
+    except (AttributeError, NotImplementedError, OSError):
+        return None
+    return queued + sum(1 for v in getattr(it, "_task_info", {}).values() if len(v) == 2)
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -109,6 +119,14 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
     def timed_next(self):
         if on_next is not None:
             on_next()
+        if hasattr(monitor, "loader_next"):
+            monitor.loader_next(self)                  # which iterator, at which batch (doctor)
+        if not getattr(monitor, "observing", True):    # the doctor's unobserved steps
+            t = perf_counter()
+            try:
+                return original(self)
+            finally:
+                monitor.add_data_wait(perf_counter() - t)
         t, c = perf_counter(), thread_time()
         try:
             return original(self)

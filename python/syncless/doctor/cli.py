@@ -31,26 +31,32 @@ import json
 import os
 import runpy
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
 import traceback
+import weakref
 from time import perf_counter
 
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from ._boundary import (ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_AT, Boundaries,
-                        parse_step_at)
+from ._boundary import (ANY_OPTIMIZER, BACKWARD, LOADER, MARKER, MODULE, OPTIMIZER, STEP_AT,
+                        Boundaries, parse_step_at)
 from ._frames import short
-from ._loader import loader_settings, timed_dataloaders
+from ._loader import loader_settings, ready_batches, timed_dataloaders
 from ._sampler import StackSampler
+from ._series import Series, split
 from .audit import Audit
 from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, trace_gpu
 from .monitor import StepMonitor
 
-PHASES = ("warm-up", "monitor", "probe", "audit", "kernels")
+PHASES = ("warm-up", "plain", "monitor", "probe", "audit", "kernels")
+WARMUP_EXTRA = 20        # warm-up steps beyond --warmup while the steps settle or the prefetch lasts
+SETTLED = 3.0            # a warm-up ends on a step at most this many times its fastest step
+PLAIN_WALL_S = 60.0      # the unobserved window grows to see a stall again, for at most this long
 
 
 class _Done(BaseException):
@@ -67,9 +73,10 @@ class ScriptSession:
 
     def __init__(self, warmup: int = 3, steps: int = 30, probe_steps: int = 3,
                  audit_steps: int = 10, trace: str | None = None, trace_steps: int = 3,
-                 step_at: tuple[str, int] | None = None):
-        self.plan = {"warm-up": warmup, "monitor": steps, "probe": probe_steps,
-                     "audit": audit_steps, "kernels": trace_steps}
+                 step_at: tuple[str, int] | None = None, plain_steps: int | None = None):
+        self.plan = {"warm-up": warmup, "plain": steps if plain_steps is None else plain_steps,
+                     "monitor": steps, "probe": probe_steps, "audit": audit_steps,
+                     "kernels": trace_steps}
         self.trace = trace
         self.traced = False
         self.step_at = step_at
@@ -101,11 +108,44 @@ class ScriptSession:
         # data wall s, data CPU s]; in the order first seen.
         self._loaders: dict = {}
         self._last_loader: list | None = None
+        # Every step's duration per phase (ms), from the doctor's callback returning to its next
+        # call: its own time is not the step's.
+        self.durations: dict = {p: [] for p in PHASES}
+        self._t_out: float | None = None
+        self._own_s = 0.0                        # the doctor's time inside the unobserved window
+        self._plain_t0 = 0.0
+        self.plain_total_ms: float | None = None
+        self.plain: Series | None = None         # the unobserved steps, split
+        self.observed: Series | None = None      # the monitored steps, split
+        # Per step and phase: (start, end, forward-only model calls, epochs started, data wait ms)
+        self.contexts: dict = {p: [] for p in PHASES}
+        self._ctx0 = (0, 0)
+        self._wait_s = 0.0                       # time in DataLoader next() this step
+        self.epoch_starts = 0                    # DataLoader iterators started (or reset)
+        self._iterator = None                    # weakref to the iterator next()'d last
+        self.why: list = []                      # why the verdict is provisional
+        self._ready: list = []                   # the loader's ready batches, warm-up steps
 
     # ---- the data-wait side of timed_dataloaders ------------------------------------------------
 
     def add_data_wait(self, seconds: float) -> None:
-        self.monitor.add_data_wait(seconds)
+        self._wait_s += seconds
+        if self.phase != "plain":
+            self.monitor.add_data_wait(seconds)
+
+    @property
+    def observing(self) -> bool:
+        """False in the unobserved window: the DataLoader's next() is not timed there."""
+        return self.phase != "plain"
+
+    def loader_next(self, iterator) -> None:
+        """Before each next() of a DataLoader iterator: a new epoch when it has yielded nothing
+        yet (a new iterator, or a persistent one reset); the last one is the one whose initial
+        prefetch the warm-up uses up."""
+        if getattr(iterator, "_num_yielded", 1) == 0:
+            self.epoch_starts += 1
+        if self._iterator is None or self._iterator() is not iterator:
+            self._iterator = weakref.ref(iterator)
 
     def loader_wait(self, iterator, seconds: float) -> None:
         """One next() of a DataLoader iterator: which loader (its dataset) and how long."""
@@ -152,6 +192,7 @@ class ScriptSession:
         try:
             self._enter(self._after(None))
             self._open_step()
+            self._t_out = perf_counter()
             with timed_dataloaders(self, on_next=self.bounds.loader_next):
                 runpy.run_path(path, run_name="__main__")
         except _Done:
@@ -174,6 +215,7 @@ class ScriptSession:
             self._opt_t0 = None
 
     def on_boundary(self, kind: str, restart: bool) -> None:
+        t_in = perf_counter()
         if self.finished:
             # The script caught _Done (a bare `except:`, `except BaseException`) and went on:
             # stop it again, or it would run to its end unmeasured.
@@ -186,13 +228,21 @@ class ScriptSession:
             self._reset()
             self._enter(self._after(None))
             self._open_step()
+            self._t_out = perf_counter()
             return
         if self.phase is None:
             return
         self._close_step()
-        self.done[self.phase] += 1
-        if self.done[self.phase] < self.plan[self.phase]:
+        phase = self.phase
+        if self._t_out is not None:
+            self.durations[phase].append((t_in - self._t_out) * 1e3)
+            self.contexts[phase].append((self._t_out, t_in,
+                                         self.bounds.forward_only - self._ctx0[0],
+                                         self.epoch_starts - self._ctx0[1], self._wait_s * 1e3))
+        self.done[phase] += 1
+        if not self._complete(phase):
             self._open_step()
+            self._mark(phase, t_in)
             return
         self._leave(finished=True)
         following = self._after(self.entered[-1])
@@ -201,6 +251,107 @@ class ScriptSession:
             raise _Done
         self._enter(following)
         self._open_step()
+        self._mark(following, t_in)
+
+    def _mark(self, phase: str, t_in: float) -> None:
+        self._ctx0 = (self.bounds.forward_only, self.epoch_starts)
+        self._wait_s = 0.0
+        self._t_out = perf_counter()
+        if phase == "plain":
+            self._own_s += self._t_out - t_in
+
+    # ---- when a phase is done: an honest window ------------------------------------------------
+
+    def _complete(self, phase: str) -> bool:
+        n, plan = self.done[phase], self.plan[phase]
+        if phase == "warm-up":
+            return self._warm(n, plan)
+        if n < plan:
+            return False
+        if phase == "plain":
+            return not self._plain_grows(n, plan)
+        if phase == "monitor":
+            # Long enough to see the periodic work the unobserved steps showed (what it is).
+            period = max((s.every_steps or 0 for s in self.plain.stalls), default=0) \
+                if self.plain else 0
+            return n >= min(period + 1, 3 * plan)
+        return True
+
+    def evaluation_only(self) -> bool:
+        """Steps that end at a model call or next(), while an optimizer exists that never
+        stepped: an evaluation before training (nanoGPT's estimate_loss() at iteration 0), not
+        the training step, which ends at backward() or optimizer.step() once it comes."""
+        return self.bounds.kind in (MODULE, LOADER) and self.bounds.optimizer_made
+
+    def _queue(self) -> tuple:
+        """The last DataLoader iterator next()'d: (its workers, the batches its initial prefetch
+        queues: num_workers x prefetch_factor, batches it has yielded)."""
+        it = self._iterator() if self._iterator is not None else None
+        workers = (getattr(it, "_num_workers", 0) or 0) if it is not None else 0
+        if not workers:
+            return it, 0, 0, 0
+        return (it, workers, workers * (getattr(it, "_prefetch_factor", None) or 2),
+                getattr(it, "_num_yielded", 0))
+
+    def _drained(self) -> bool | None:
+        """Whether the loader's initial prefetch is used up: its queued batches taken, and then
+        its queue down to what the workers keep making (at most one batch a worker), or no
+        longer shrinking over 10 steps (the loader keeps up: its queue stays full). While the
+        steps take batches faster than the workers make them, the queue shrinks by the
+        difference only: a queue of 20 took 28 steps to empty. None: it cannot say."""
+        it, workers, queued, yielded = self._queue()
+        if not workers:
+            return True
+        if yielded < queued:
+            return False
+        ready = ready_batches(it)
+        if ready is None:
+            return None
+        self._ready.append(ready)
+        return ready <= workers or (len(self._ready) > 10 and ready >= self._ready[-11])
+
+    def _warm(self, n: int, plan: int) -> bool:
+        """The warm-up ends after `plan` steps once the loader's initial prefetch is used up and
+        the last step is not a warm-up's (compile, autotune: over SETTLED x the fastest)."""
+        if self.evaluation_only():
+            return False
+        drained = self._drained()
+        if n < plan:
+            return False
+        d = self.durations["warm-up"]
+        settled = len(d) < 2 or d[-1] <= SETTLED * min(d)
+        if settled and drained is not False:
+            return True
+        _, workers, queued, _ = self._queue()
+        if n < plan + WARMUP_EXTRA + 3 * queued:
+            return False
+        if drained is False:
+            self.why.append(f"the loader's queue ({queued} batches made in advance) did not run "
+                            f"down in {n} warm-up steps: the measured steps may have taken "
+                            "batches made before they asked")
+        return True
+
+    def _split(self, phase: str) -> Series:
+        """The phase's steps split into the steady step and its stalls. A step that waited for
+        its batch, past the median wait by at least half its extra time, and started no epoch,
+        is no stall: a loader too slow for the step makes steps wait in turn (two workers in
+        step with each other: a long wait every other step), and that is the steady step."""
+        d, ctx = self.durations[phase], self.contexts[phase]
+        if not d or len(ctx) != len(d):
+            return split(d)
+        median_d = statistics.median(d)
+        median_wait = statistics.median(c[4] for c in ctx)
+        steady = {i for i, c in enumerate(ctx) if c[3] == 0 and
+                  c[4] - median_wait >= 0.5 * (d[i] - median_d)}
+        return split(d, steady)
+
+    def _plain_grows(self, n: int, plan: int) -> bool:
+        """The unobserved window grows (up to 3x its plan, PLAIN_WALL_S) while a stall was seen
+        once only: a second sighting gives its period."""
+        self.plain = self._split("plain")
+        if n >= 3 * plan or sum(self.durations["plain"]) >= PLAIN_WALL_S * 1e3:
+            return False
+        return any(len(st.steps) == 1 for st in self.plain.stalls)
 
     def _after(self, phase: str | None) -> str | None:
         rest = PHASES[PHASES.index(phase) + 1:] if phase else PHASES
@@ -233,7 +384,10 @@ class ScriptSession:
     def _enter(self, phase: str) -> None:
         self.phase = phase
         self.entered.append(phase)
-        if phase == "monitor":
+        if phase == "plain":
+            self._own_s = 0.0
+            self._plain_t0 = self._drained_clock()
+        elif phase == "monitor":
             self.optimizer_s = 0.0
             self.sampler.start()                 # before the clock: its thread's start is ours
             self._seen_monitor = (dict(self.bounds.seen), None)
@@ -256,9 +410,22 @@ class ScriptSession:
 
     def _leave(self, finished: bool) -> None:
         phase, self.phase = self.phase, None
-        if phase == "monitor":
+        if phase == "plain":
+            d = self.durations["plain"]
+            self.plain = self._split("plain")
+            if d:
+                self.plain_total_ms = max(sum(d), (self._drained_clock() - self._plain_t0 -
+                                                   self._own_s) * 1e3)
+        elif phase == "monitor":
             if finished:
-                self.step_ms = (self._drained_clock() - self._t0) * 1e3 / self.done["monitor"]
+                self.observed = self._split("monitor")
+                n = self.done["monitor"]
+                wall = (self._drained_clock() - self._t0) * 1e3
+                stalled = self.observed.stalled
+                # The steady step: the stalls' steps out (periodic work, reported apart).
+                out = sum(self.durations["monitor"][i] for i in stalled)
+                self.step_ms = (wall - out) / (n - len(stalled)) if n > len(stalled) else \
+                    wall / n
             self.sampler.stop()                  # after the clock: joining it is ours
             self._seen_monitor = (self._seen_monitor[0], dict(self.bounds.seen))
         elif phase == "probe":
@@ -324,8 +491,10 @@ class ScriptSession:
     def diagnosis(self) -> Diagnosis:
         """The Diagnosis of what was measured (call after run())."""
         self.monitor.drain()
-        warmup = self.plan["warm-up"]
-        m = self.monitor.summary(skip=warmup)
+        warmup = self.done["warm-up"]
+        observed = self.observed or self._split("monitor")
+        m = self.monitor.summary(skip=warmup,
+                                 exclude=frozenset(warmup + i for i in observed.stalled))
         gpu = _cuda()
         kind = self.bounds.kind
         seen = self.bounds.seen.get(kind, 0) if kind else 0
@@ -349,6 +518,10 @@ class ScriptSession:
             elif self.ended != "ended" and not self.finished:
                 notes.append(f"the script {self.ended} after {seen} step"
                              f"{'' if seen == 1 else 's'}")
+        if kind is not None and self.evaluation_only():
+            notes.append(f"only forward-only steps ran ({self.bounds.forward_only} model calls "
+                         "with autograd off), while an optimizer was made that never stepped: an "
+                         "evaluation before training, not measured as the training step")
         if self.step_at and kind != STEP_AT:
             notes.insert(0, f"--step-at {short(self.step_at[0])}:{self.step_at[1]} never ran"
                             + (f": the steps end at each {kind} instead" if kind else ""))
@@ -370,7 +543,94 @@ class ScriptSession:
                    model=self.bounds.model, autocast=self.bounds.autocast)
         if self.traced:
             d.trace = self.trace
+        self._honest(d, observed)
         return d
+
+    # ---- the unobserved step, the periodic work, how honest the window was ----------------------
+
+    def _honest(self, d: Diagnosis, observed: Series) -> None:
+        d.warmup = self.done["warm-up"]
+        d.plain_steps = self.done["plain"]
+        plain = self.plain
+        if plain is not None and plain.steps and self.plain_total_ms is not None:
+            stalled = sum(self.durations["plain"][i] for i in plain.stalled)
+            kept = plain.steps - len(plain.stalled)
+            d.plain_step_ms = (self.plain_total_ms - stalled) / kept if kept else \
+                self.plain_total_ms / plain.steps
+            if d.plain_step_ms > 0 and d.step_ms:
+                d.overhead = d.step_ms / d.plain_step_ms
+                if abs(d.overhead - 1) > 0.05:
+                    d.notes.insert(0, (
+                        f"observing the loop {'slowed' if d.overhead > 1 else 'sped'} it "
+                        f"{'down' if d.overhead > 1 else 'up'} by {abs(d.overhead - 1):.0%}: "
+                        f"{d.plain_step_ms:.2f} ms/step unobserved, {d.step_ms:.2f} ms "
+                        "instrumented; the breakdown and predictions are the instrumented "
+                        "step's (take them as shares)"))
+        d.periodic = self._periodic(plain, observed)
+        why = list(self.why)
+        if self.evaluation_only():
+            why.append("only an evaluation (forward-only steps) ran; the training step never came")
+        elif plain is None or not plain.steps:
+            why.append("the script ended before its steps were timed unobserved")
+        elif not self.finished and self._missed():
+            why.append(f"the script {self.ended} before every phase ran ({self._missed()})")
+        for st in d.periodic:
+            if st.every_steps is None and len(st.steps) == 1 and st.share >= 0.05:
+                why.append(f"a stall of {st.ms_each:.0f} ms came once in {plain.steps} steps "
+                           "(work with a longer period, or a one-off?)")
+        d.provisional = bool(why)
+        d.provisional_why = "; ".join(why)
+
+    def _periodic(self, plain: Series | None, observed: Series) -> list:
+        """The unobserved steps' stalls (their true size), each named by what the monitored
+        steps' stalls of about its size did; the monitored ones alone when no step ran
+        unobserved."""
+        stalls = list(plain.stalls) if plain is not None and plain.steps else \
+            list(observed.stalls)
+        for st in stalls:
+            match = [o for o in observed.stalls if o.ms_each and st.ms_each and
+                     1 / 3 <= o.ms_each / st.ms_each <= 3]
+            st.what = self._what(match[0].steps, observed) if match else \
+                "not seen again while observed: unknown"
+        return stalls
+
+    def _what(self, steps: list, observed: Series) -> str:
+        """What the monitored steps at `steps` did beyond a steady step: waited for a new epoch's
+        first batches, ran forward-only model calls (an evaluation), or host work at a line."""
+        warm = self.done["warm-up"]
+        data = list(self.monitor.data_s)
+        first = self.monitor.steps - len(data)
+
+        def wait(i: int) -> float:
+            j = warm + i - first
+            return data[j] * 1e3 if 0 <= j < len(data) else 0.0
+
+        contexts = self.contexts["monitor"]
+        ctx = [contexts[i] for i in steps if i < len(contexts)]
+        if not ctx:
+            return "unknown"
+        rest = [wait(i) for i in range(len(contexts)) if i not in observed.stalled]
+        extra = sum(self.durations["monitor"][i] for i in steps) / len(steps) - \
+            observed.steady_ms
+        waited = sum(wait(i) for i in steps) / len(steps) - \
+            (sum(rest) / len(rest) if rest else 0.0)
+        if extra > 0 and waited >= 0.5 * extra:
+            if sum(c[3] for c in ctx) >= 0.5 * len(ctx):
+                loader = self._loader or {}
+                workers = loader.get("num_workers") or 0
+                if workers and not loader.get("persistent_workers"):
+                    return (f"a new epoch: the DataLoader starts its {workers} workers again "
+                            "(persistent_workers=True keeps them)")
+                return "a new epoch: the DataLoader's first batch"
+            return "the DataLoader makes the step wait (slow batches now and then)"
+        forward = sum(c[2] for c in ctx) / len(ctx)
+        if forward >= 1:
+            return (f"an evaluation: {forward:g} forward-only model calls (autograd off) "
+                    "inside the step")
+        line, n = self.sampler.line_between([(c[0], c[1]) for c in ctx])
+        if line is not None and n:
+            return f"host work, mostly at {line.where} `{line.code}`"
+        return "host work in the step"
 
     def _feeding_loader_only(self, m, notes: list):
         """The data wait of the loader that feeds the steps (the most next() calls), not of
@@ -426,15 +686,20 @@ def _step_at(text: str) -> tuple[str, int]:
 
 
 QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
+DEFAULT = {"warmup": 3, "steps": 30, "probe_steps": 3, "audit_steps": 10, "trace_steps": 3}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m syncless doctor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=_count(0), default=None, metavar="N",
-                   help="unmeasured first steps (default 3)")
+                   help="unmeasured first steps (default 3; more while the loader still serves "
+                        "its initial prefetch or a step is still a warm-up's)")
     p.add_argument("--steps", type=_count(1), default=None, metavar="N",
                    help="monitored steps (default 30)")
+    p.add_argument("--plain-steps", type=_count(0), default=None, metavar="N",
+                   help="steps timed unobserved, before the monitor (default: --steps; more "
+                        "while a stall was seen once, to find its period)")
     p.add_argument("--probe-steps", type=_count(1), default=None, metavar="N",
                    help="steps queued behind a GPU sleep, CUDA only (default 3)")
     p.add_argument("--audit-steps", type=_count(1), default=None, metavar="N",
@@ -446,13 +711,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-at", type=_step_at, metavar="FILE:LINE",
                    help="a step ends each time this line runs (loops without optimizer.step())")
     p.add_argument("--quick", action="store_true",
-                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4")
+                   help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4 "
+                        "(the window stays as honest: past the prefetch and the warm-up)")
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("script", help="the training script, run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
-    defaults = QUICK if ns.quick else {"warmup": 3, "steps": 30, "probe_steps": 3,
-                                       "audit_steps": 10, "trace_steps": 3}
+    defaults = QUICK if ns.quick else DEFAULT
     for key, value in defaults.items():
         if getattr(ns, key) is None:
             setattr(ns, key, value)
@@ -469,7 +734,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
-                            ns.trace_steps, ns.step_at)
+                            ns.trace_steps, ns.step_at, ns.plain_steps)
     exit_, error = None, None
     script = os.path.abspath(ns.script)          # now: the script may chdir
     try:

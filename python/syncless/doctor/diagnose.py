@@ -82,6 +82,12 @@ class Diagnosis:
     notes: list = field(default_factory=list)
     trace: str | None = None
     kernel_time: Any = None            # the trace's KernelTime, as read
+    plain_step_ms: float | None = None  # the steady step timed unobserved (boundaries only)
+    plain_steps: int = 0
+    overhead: float | None = None      # step_ms / plain_step_ms: how much observing slowed it
+    periodic: list = field(default_factory=list)   # [_series.Stalls]: work apart from the step
+    provisional: bool = False
+    provisional_why: str = ""
     _sampled: Any = None               # the sampler's counts by (file, line, via)
 
     def report(self) -> str:
@@ -103,6 +109,10 @@ class Diagnosis:
             "verdict": self.verdict_kind, "verdict_text": self.verdict,
             "headroom_ms": self.headroom_ms,
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
+            "plain_step_ms": self.plain_step_ms, "plain_steps": self.plain_steps,
+            "overhead": self.overhead, "warmup_steps": self.warmup,
+            "provisional": self.provisional, "provisional_why": self.provisional_why,
+            "periodic": [s.as_dict() for s in self.periodic],
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
             "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,

@@ -60,6 +60,8 @@ class Finding:
     fixes: list = field(default_factory=list)
     where: str = ""            # file:line of a sync
     extra: dict = field(default_factory=dict)
+    # --verify's measurement of the best setting fix: {measured_ms, ci_low_ms, ci_high_ms, kept}
+    verified: dict | None = None
 
     @property
     def predicted_ms(self) -> float | None:
@@ -73,7 +75,7 @@ class Finding:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "title": self.title, "wins_ms": self.cost_ms,
-                "predicted_ms": self.predicted_ms, "detail": self.detail, "where": self.where,
+                "predicted_ms": self.predicted_ms, "verified": self.verified, "detail": self.detail, "where": self.where,
                 "fixes": [{"text": str(f), "predicted_ms": getattr(f, "predicted_ms", None),
                            "tag": getattr(f, "tag", "")} for f in self.fixes], **self.extra}
 
