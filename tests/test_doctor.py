@@ -340,8 +340,10 @@ def test_cli_runs_a_script(tmp_path):
     """, "--steps", "4", "--warmup", "1", "--audit-steps", "1")
     assert r.returncode == 0, r.stderr
     assert "DataLoader starvation" in r.stdout and "num_workers=" in r.stdout, r.stdout
-    assert "4 measured steps (+1 warm-up, 1 audited)" in r.stdout, r.stdout
+    assert re.search(r"4 measured steps \(\+1 warm-up, \d+ unobserved, 1 audited\)", r.stdout), \
+        r.stdout
     assert "note:" not in r.stdout, "every phase ran: nothing to note"
+    assert "PROVISIONAL" not in r.stdout
 
 
 def test_cli_trace_writes_the_traced_steps(tmp_path):
@@ -368,7 +370,8 @@ def test_cli_script_ending_early_gets_the_report_of_what_ran(tmp_path, steps, mi
     # came first), then 1 warm-up + 5 monitored + 3 audited + 2 traced = 11 more steps; the script
     # runs fewer.
     r = run_cli(tmp_path, CPU_LOOP, "--warmup", "1", "--steps", "5", "--audit-steps", "3",
-                "--trace", "out.json", "--trace-steps", "2", args=[str(steps)])
+                "--trace", "out.json", "--trace-steps", "2", "--plain-steps", "0",
+                args=[str(steps)])
     assert r.returncode == 0, r.stderr
     assert "the script ran to its end" in r.stdout
     assert "a step ends at each optimizer.step() (SGD)" in r.stdout, r.stdout
@@ -394,7 +397,7 @@ def test_cli_script_error_comes_after_the_report(tmp_path):
             opt.zero_grad(); model(torch.ones(2, 8)).sum().backward(); opt.step()
             if step == 6:
                 raise ValueError("diverged at step 6")
-    """, "--warmup", "2", "--steps", "3")
+    """, "--warmup", "2", "--steps", "3", "--plain-steps", "0")
     assert r.returncode == 1
     assert "ValueError: diverged at step 6" in r.stderr
     assert "3 measured steps (+2 warm-up, 1 audited)" in r.stdout, r.stdout
@@ -563,7 +566,8 @@ def test_cli_steps_without_an_optimizer(tmp_path, script, boundary):
                 "--json", "d.json", *options)
     assert r.returncode == 0, r.stderr
     assert boundary in r.stdout, r.stdout
-    assert "6 measured steps (+1 warm-up, 2 audited)" in r.stdout, r.stdout
+    assert re.search(r"6 measured steps \(\+1 warm-up, \d+ unobserved, 2 audited\)", r.stdout), \
+        r.stdout
     d = json.loads((tmp_path / "d.json").read_text())
     assert d["steps"] == 6 and d["step_ms"] > 0
     assert "no torch optimizer (parameters updated by hand, or inference)" in d["settings"]

@@ -89,9 +89,13 @@ def render_doctor(d: Any) -> str:
         lines.append(f"headroom: {d.headroom}")
     plain = getattr(d, "plain_step_ms", None)
     if plain is not None:
+        o = d.overhead
         lines.append(f"step: {plain:.2f} ms unobserved (two timestamps a step, "
-                     f"{d.plain_steps} steps), {step:.2f} ms observed"
-                     + (f" (observation x{d.overhead:.2f})" if d.overhead else ""))
+                     f"{d.plain_steps} steps), {step:.2f} ms observed" + (
+                         f": observing {'slowed' if o > 1 else 'sped'} the loop "
+                         f"{'down' if o > 1 else 'up'} by {abs(o - 1):.0%}, so the breakdown "
+                         "and predictions below are the observed step's (read them as shares)"
+                         if o and abs(o - 1) > 0.05 else ""))
     periodic = getattr(d, "periodic", [])
     if periodic:
         lines.append("")

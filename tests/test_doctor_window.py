@@ -1,0 +1,180 @@
+"""The doctor's window: the steps it times are the steps the user runs. Each script here sets its
+bottleneck by construction (sleeps several times apart), so no assertion depends on how fast this
+host is: a loader that starves only once its prefetch is spent, a periodic stall, an evaluation
+before training."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from syncless.doctor._series import split
+
+
+def doctor_json(tmp_path, script_text, *options, timeout=300):
+    """`python -m syncless doctor --json d.json <options> train.py`; (the JSON, the process)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(script_text))
+    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--json", "d.json", *options,
+                        str(script)], capture_output=True, text=True, timeout=timeout,
+                       cwd=tmp_path, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    return json.loads((tmp_path / "d.json").read_text()), r
+
+
+# ---- the series: stalls apart from the steady step ------------------------------------------------
+
+def test_a_stall_every_8_steps_is_periodic_and_out_of_the_steady_step():
+    d = [20.0] * 40
+    for i in range(5, 40, 8):
+        d[i] = 320.0
+    s = split(d)
+    assert s.steady_ms == 20.0 and s.median_ms == 20.0
+    [st] = s.stalls
+    assert st.steps == [5, 13, 21, 29, 37] and st.every_steps == 8 and st.ms_each == 300.0
+    assert st.share == pytest.approx(5 * 300 / sum(d))
+
+
+def test_stalls_of_two_sizes_are_two_kinds_of_work():
+    d = [10.0] * 48
+    for i in range(3, 48, 8):
+        d[i] = 60.0                     # 50 ms every 8 steps (a logging interval)
+    for i in (10, 26, 42):
+        d[i] = 1010.0                   # 1 s every 16 steps (workers restarting)
+    s = split(d)
+    assert [(st.every_steps, st.ms_each) for st in s.stalls] == [(16, 1000.0), (8, 50.0)]
+    assert s.steady_ms == 10.0
+
+
+def test_jitter_is_no_stall_and_one_stall_has_no_period():
+    assert split([1.0, 1.4, 0.9, 1.2] * 5).stalls == [], "under 1 ms over the median"
+    d = [5.0] * 20
+    d[7] = 200.0
+    [st] = split(d).stalls
+    assert st.every_steps is None and st.steps == [7] and st.ms_each == 195.0
+
+
+def test_steps_marked_steady_are_never_stalls():
+    # A loader too slow for the step, two workers in step: a long wait every other step is the
+    # steady step, not periodic work.
+    d = [5.0, 45.0] * 10
+    assert split(d, steady=set(range(1, 20, 2))).stalls == []
+    assert split(d, steady=set(range(1, 20, 2))).steady_ms == 25.0
+
+
+# ---- the CLI on scripts whose bottleneck is set by construction -----------------------------------
+
+PERIODIC = """
+    import json, time, torch
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    own = []
+    try:
+        for i in range(1000):
+            t = time.perf_counter()
+            opt.zero_grad(); model(x).sum().backward()
+            time.sleep(0.02)
+            if i % 8 == 7:
+                time.sleep(0.3)                    # a checkpoint every 8 steps
+            opt.step()
+            own.append((i, time.perf_counter() - t))
+    finally:
+        with open("own.json", "w") as f:
+            json.dump(own, f)
+"""
+
+
+@pytest.mark.parametrize("mode", [pytest.param((), marks=pytest.mark.slow), ("--quick",)])
+def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, mode):
+    d, r = doctor_json(tmp_path, PERIODIC, *mode)
+    own = json.loads((tmp_path / "own.json").read_text())
+    true_ms = 1e3 * sum(t for i, t in own if i % 8 != 7) / sum(1 for i, _ in own if i % 8 != 7)
+    [stall] = [p for p in d["periodic"] if p["every_steps"] == 8]
+    assert 270 <= stall["ms_each"] <= 400, stall          # the 300-ms sleep, past the steady step
+    assert "time.sleep(0.3)" in stall["what"], stall
+    assert abs(d["plain_step_ms"] - true_ms) <= 0.2 * true_ms, (d["plain_step_ms"], true_ms)
+    assert abs(d["step_ms"] - true_ms) <= 0.2 * true_ms, (d["step_ms"], true_ms)
+    assert d["overhead"] == pytest.approx(d["step_ms"] / d["plain_step_ms"])
+    assert d["provisional"] is False, d["provisional_why"]
+    assert "every 8 steps" in r.stdout and "work apart from the steady step" in r.stdout
+
+
+PREFETCH = """
+    import time, torch
+    from torch.utils.data import DataLoader, Dataset
+    class Slow(Dataset):                           # a worker makes a batch in 50 ms
+        def __len__(self): return 100000
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return torch.ones(4, 8)
+    if __name__ == "__main__":
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        it = iter(DataLoader(Slow(), batch_size=None, num_workers=2, prefetch_factor=10))
+        time.sleep(1.5)                            # setup, while the workers fill 20 batches
+        for b in it:
+            opt.zero_grad(); model(b).sum().backward(); time.sleep(0.005); opt.step()
+"""
+
+
+def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
+    # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
+    # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
+    # only the prefetched batches.
+    d, r = doctor_json(tmp_path, PREFETCH, "--quick")
+    assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
+    assert d["verdict"] == "data-bound", r.stdout
+    assert d["data_ms"] >= 10.0 and d["plain_step_ms"] >= 15.0, (d["data_ms"], d["plain_step_ms"])
+    [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
+    assert f["workers_needed"] >= 3 and f["verified"] is None
+    assert d["provisional"] is False, d["provisional_why"]
+    assert not [p for p in d["periodic"] if p["every_steps"] == 2], \
+        "two workers in step make every other step wait: that is the steady step"
+
+
+EVAL_FIRST = """
+    import time, torch
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(4, 8)
+    model.eval()
+    with torch.no_grad():                          # 40 forward-only steps: an evaluation
+        for _ in range(40):
+            model(x); time.sleep(0.001)
+    model.train()
+    for i in range(1000):
+        opt.zero_grad()
+        scaler.scale(model(x).sum()).backward()
+        time.sleep(0.03)
+        scaler.step(opt)                           # the optimizer, stepped through a scaler
+        scaler.update()
+        sched.step()
+"""
+
+
+def test_the_training_step_after_an_evaluation_is_the_one_reported(tmp_path):
+    d, r = doctor_json(tmp_path, EVAL_FIRST, "--quick")
+    assert d["boundary"] == "optimizer.step() (SGD)", r.stdout
+    assert d["step_ms"] >= 25.0 and d["plain_step_ms"] >= 25.0, (d["step_ms"], d["plain_step_ms"])
+    assert d["step_ms"] <= 120.0, "the training step, not the evaluation's 1-ms steps"
+    assert not any("no torch optimizer" in s for s in d["settings"]), d["settings"]
+    assert d["provisional"] is False, d["provisional_why"]
+
+
+def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path):
+    d, r = doctor_json(tmp_path, """
+        import torch
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            for _ in range(30):
+                model(torch.randn(4, 8))
+    """, "--quick")
+    assert d["provisional"] is True
+    assert "only an evaluation (forward-only steps) ran" in d["provisional_why"], d
+    assert "30 model calls with autograd off" in r.stdout, r.stdout
