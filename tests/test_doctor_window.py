@@ -13,15 +13,29 @@ import pytest
 from syncless.doctor._series import split
 
 
-def doctor_json(tmp_path, script_text, *options, timeout=300):
-    """`python -m syncless doctor --json d.json <options> train.py`; (the JSON, the process)."""
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(script_text))
+def doctor_json(tmp_path, script_text, *options, request=None):
+    """`python -m syncless doctor --json d.json <options> train.py` in this process (the CLI's
+    main(), as the console script calls it; a new interpreter costs seconds of torch import):
+    (the JSON, the report's text)."""
+    from syncless.doctor import cli
+    (tmp_path / "train.py").write_text(textwrap.dedent(script_text))
+    capsys = request.getfixturevalue("capsys")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setattr(sys, "__stdout__", sys.stdout)     # the report's stream, captured
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--json", "d.json", *options, "train.py"]) == 0
+    out = capsys.readouterr().out
+    return json.loads((tmp_path / "d.json").read_text()), out
+
+
+def doctor_process(tmp_path, script_text, *options, timeout=300):
+    """The same in a new interpreter, as a user runs it."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(script_text))
     r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--json", "d.json", *options,
-                        str(script)], capture_output=True, text=True, timeout=timeout,
+                        "train.py"], capture_output=True, text=True, timeout=timeout,
                        cwd=tmp_path, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
-    return json.loads((tmp_path / "d.json").read_text()), r
+    return json.loads((tmp_path / "d.json").read_text()), r.stdout
 
 
 # ---- the series: stalls apart from the steady step ------------------------------------------------
@@ -66,6 +80,41 @@ def test_steps_marked_steady_are_never_stalls():
 
 # ---- the CLI on scripts whose bottleneck is set by construction -----------------------------------
 
+# First of the CLI tests: its workers are forked before this process has run torch's thread
+# pools (forked after them, their shutdown at the next gc waited 2 x 5 s here).
+PREFETCH = """
+    import time, torch
+    from torch.utils.data import DataLoader, Dataset
+    class Slow(Dataset):                           # a worker makes a batch in 50 ms
+        def __len__(self): return 100000
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return torch.ones(4, 8)
+    if __name__ == "__main__":
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        it = iter(DataLoader(Slow(), batch_size=None, num_workers=2, prefetch_factor=10))
+        time.sleep(1.5)                            # setup, while the workers fill 20 batches
+        for b in it:
+            opt.zero_grad(); model(b).sum().backward(); time.sleep(0.005); opt.step()
+"""
+
+
+def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path, request):
+    # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
+    # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
+    # only the prefetched batches.
+    d, r = doctor_json(tmp_path, PREFETCH, "--quick", request=request)
+    assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
+    assert d["verdict"] == "data-bound", r
+    assert d["data_ms"] >= 10.0 and d["plain_step_ms"] >= 15.0, (d["data_ms"], d["plain_step_ms"])
+    [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
+    assert f["workers_needed"] >= 3 and f["verified"] is None
+    assert d["provisional"] is False, d["provisional_why"]
+    assert not [p for p in d["periodic"] if p["every_steps"] == 2], \
+        "two workers in step make every other step wait: that is the steady step"
+
+
 PERIODIC = """
     import json, time, torch
     model = torch.nn.Linear(8, 8)
@@ -87,9 +136,12 @@ PERIODIC = """
 """
 
 
-@pytest.mark.parametrize("mode", [pytest.param((), marks=pytest.mark.slow), ("--quick",)])
-def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, mode):
-    d, r = doctor_json(tmp_path, PERIODIC, *mode)
+@pytest.mark.parametrize("mode", [pytest.param("default", marks=pytest.mark.slow), "--quick"])
+def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, request, mode):
+    if mode == "default":                      # the full-length run, in its own interpreter
+        d, r = doctor_process(tmp_path, PERIODIC)
+    else:
+        d, r = doctor_json(tmp_path, PERIODIC, mode, request=request)
     own = json.loads((tmp_path / "own.json").read_text())
     true_ms = 1e3 * sum(t for i, t in own if i % 8 != 7) / sum(1 for i, _ in own if i % 8 != 7)
     [stall] = [p for p in d["periodic"] if p["every_steps"] == 8]
@@ -99,40 +151,7 @@ def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, mode)
     assert abs(d["step_ms"] - true_ms) <= 0.2 * true_ms, (d["step_ms"], true_ms)
     assert d["overhead"] == pytest.approx(d["step_ms"] / d["plain_step_ms"])
     assert d["provisional"] is False, d["provisional_why"]
-    assert "every 8 steps" in r.stdout and "work apart from the steady step" in r.stdout
-
-
-PREFETCH = """
-    import time, torch
-    from torch.utils.data import DataLoader, Dataset
-    class Slow(Dataset):                           # a worker makes a batch in 50 ms
-        def __len__(self): return 100000
-        def __getitem__(self, i):
-            time.sleep(0.05)
-            return torch.ones(4, 8)
-    if __name__ == "__main__":
-        model = torch.nn.Linear(8, 8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        it = iter(DataLoader(Slow(), batch_size=None, num_workers=2, prefetch_factor=10))
-        time.sleep(1.5)                            # setup, while the workers fill 20 batches
-        for b in it:
-            opt.zero_grad(); model(b).sum().backward(); time.sleep(0.005); opt.step()
-"""
-
-
-def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
-    # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
-    # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
-    # only the prefetched batches.
-    d, r = doctor_json(tmp_path, PREFETCH, "--quick")
-    assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
-    assert d["verdict"] == "data-bound", r.stdout
-    assert d["data_ms"] >= 10.0 and d["plain_step_ms"] >= 15.0, (d["data_ms"], d["plain_step_ms"])
-    [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
-    assert f["workers_needed"] >= 3 and f["verified"] is None
-    assert d["provisional"] is False, d["provisional_why"]
-    assert not [p for p in d["periodic"] if p["every_steps"] == 2], \
-        "two workers in step make every other step wait: that is the steady step"
+    assert "every 8 steps" in r and "work apart from the steady step" in r
 
 
 EVAL_FIRST = """
@@ -157,16 +176,16 @@ EVAL_FIRST = """
 """
 
 
-def test_the_training_step_after_an_evaluation_is_the_one_reported(tmp_path):
-    d, r = doctor_json(tmp_path, EVAL_FIRST, "--quick")
-    assert d["boundary"] == "optimizer.step() (SGD)", r.stdout
+def test_the_training_step_after_an_evaluation_is_the_one_reported(tmp_path, request):
+    d, r = doctor_json(tmp_path, EVAL_FIRST, "--quick", request=request)
+    assert d["boundary"] == "optimizer.step() (SGD)", r
     assert d["step_ms"] >= 25.0 and d["plain_step_ms"] >= 25.0, (d["step_ms"], d["plain_step_ms"])
     assert d["step_ms"] <= 120.0, "the training step, not the evaluation's 1-ms steps"
     assert not any("no torch optimizer" in s for s in d["settings"]), d["settings"]
     assert d["provisional"] is False, d["provisional_why"]
 
 
-def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path):
+def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path, request):
     d, r = doctor_json(tmp_path, """
         import torch
         model = torch.nn.Linear(8, 8)
@@ -174,7 +193,7 @@ def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path):
         with torch.no_grad():
             for _ in range(30):
                 model(torch.randn(4, 8))
-    """, "--quick")
+    """, "--quick", request=request)
     assert d["provisional"] is True
     assert "only an evaluation (forward-only steps) ran" in d["provisional_why"], d
-    assert "30 model calls with autograd off" in r.stdout, r.stdout
+    assert "30 model calls with autograd off" in r, r

@@ -26,6 +26,7 @@ class Line(collections.namedtuple("Line", "file line via samples")):
 
     @property
     def code(self) -> str:
+        linecache.checkcache(self.file)           # a file of that name may have changed since
         return linecache.getline(self.file, self.line).strip()
 
 
