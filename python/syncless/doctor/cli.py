@@ -46,7 +46,8 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from ._boundary import (ANY_OPTIMIZER, BACKWARD, LOADER, MARKER, MODULE, OPTIMIZER, STEP_AT,
                         Boundaries, parse_step_at)
 from ._frames import short
-from ._loader import loader_settings, ready_batches, timed_dataloaders
+from . import _verify
+from ._loader import cpu_count, loader_settings, ready_batches, timed_dataloaders
 from ._sampler import StackSampler
 from ._series import Series, split
 from .audit import Audit
@@ -125,6 +126,7 @@ class ScriptSession:
         self.epoch_starts = 0                    # DataLoader iterators started (or reset)
         self._iterator = None                    # weakref to the iterator next()'d last
         self.why: list = []                      # why the verdict is provisional
+        self.plain_done_s: float | None = None   # when the unobserved window ended
         self._ready: list = []                   # the loader's ready batches, warm-up steps
 
     # ---- the data-wait side of timed_dataloaders ------------------------------------------------
@@ -412,6 +414,7 @@ class ScriptSession:
     def _leave(self, finished: bool) -> None:
         phase, self.phase = self.phase, None
         if phase == "plain":
+            self.plain_done_s = perf_counter()
             d = self.durations["plain"]
             self.plain = self._split("plain")
             if d:
@@ -553,13 +556,9 @@ class ScriptSession:
         d.warmup = self.done["warm-up"]
         d.plain_steps = self.done["plain"]
         plain = self.plain
-        if plain is not None and plain.steps and self.plain_total_ms is not None:
-            stalled = sum(self.durations["plain"][i] for i in plain.stalled)
-            kept = plain.steps - len(plain.stalled)
-            d.plain_step_ms = (self.plain_total_ms - stalled) / kept if kept else \
-                self.plain_total_ms / plain.steps
-            if d.plain_step_ms > 0 and d.step_ms:
-                d.overhead = d.step_ms / d.plain_step_ms
+        d.plain_step_ms = self.plain_step_ms()
+        if d.plain_step_ms and d.step_ms:
+            d.overhead = d.step_ms / d.plain_step_ms
         d.periodic = self._periodic(plain, observed)
         why = list(self.why)
         if self.evaluation_only():
@@ -574,6 +573,16 @@ class ScriptSession:
                            "(work with a longer period, or a one-off?)")
         d.provisional = bool(why)
         d.provisional_why = "; ".join(why)
+
+    def plain_step_ms(self) -> float | None:
+        """The steady step timed unobserved: the window's wall (drained) less its stalls."""
+        plain = self.plain
+        if plain is None or not plain.steps or self.plain_total_ms is None:
+            return None
+        stalled = sum(self.durations["plain"][i] for i in plain.stalled)
+        kept = plain.steps - len(plain.stalled)
+        return (self.plain_total_ms - stalled) / kept if kept else \
+            self.plain_total_ms / plain.steps
 
     def _periodic(self, plain: Series | None, observed: Series) -> list:
         """The unobserved steps' stalls (their true size), each named by what the monitored
@@ -680,6 +689,7 @@ def _step_at(text: str) -> tuple[str, int]:
 
 
 QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
+VERIFY_BUDGET_S = 120.0   # --verify is on by default when its runs should take less than this
 DEFAULT = {"warmup": 3, "steps": 30, "probe_steps": 3, "audit_steps": 10, "trace_steps": 3}
 
 
@@ -708,6 +718,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4 "
                         "(the window stays as honest: past the prefetch and the warm-up)")
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each fix that is a setting (loader workers by a sweep, "
+                        "torch.compile, TF32) in fresh paired runs of the script, and keep it "
+                        "only if its 95%% interval wins (default: on when those runs are "
+                        f"estimated to take under {VERIFY_BUDGET_S:.0f} s)")
+    p.add_argument("--verify-pairs", type=_count(2), default=3, metavar="N",
+                   help="paired runs (with and without the fix) per fix (default 3)")
+    p.add_argument("--measure", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--apply", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("script", help="the training script, run as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     ns = p.parse_args(argv)
@@ -725,8 +744,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def _measure(ns: argparse.Namespace) -> int:
+    """--measure PATH: time the script's steps unobserved (after an honest warm-up), with the
+    --apply settings applied from outside the code; write {"plain_step_ms": ...} to PATH."""
+    if ns.apply:
+        _verify.apply(json.loads(ns.apply))
+    session = ScriptSession(ns.warmup, 0, 0, 0, None, 0, ns.step_at, ns.plain_steps)
+    try:
+        session.run(ns.script, ns.args)
+    except BaseException as e:                   # its exit or error: what was timed counts
+        session.ended = type(e).__name__
+    with open(ns.measure, "w") as f:
+        json.dump({"plain_step_ms": session.plain_step_ms(), "steps": session.done["plain"],
+                   "warmup_steps": session.done["warm-up"], "why": session.why}, f)
+    return 0
+
+
+def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis,
+                  cwd: str, elapsed_s: float) -> None:
+    """--verify (or its default): the setting fixes measured in fresh paired runs."""
+    fixes = _verify.setting_fixes(d)
+    if not fixes or ns.verify is False:
+        return
+    cpus = cpu_count()
+    loader = d.summary.loader or {}
+    runs = sum(2 * ns.verify_pairs + (len(_verify.worker_candidates(
+        loader.get("num_workers") or 0, f.extra.get("workers_needed"), cpus))
+        if label == "loader" else 0) for f, label, _ in fixes)
+    # A measured run takes about what the doctor took to reach the end of its unobserved window
+    # (the interpreter's start, the script's setup, warm-up and the window).
+    estimate = runs * elapsed_s
+    if ns.verify is None and estimate > VERIFY_BUDGET_S:
+        d.notes.append(f"--verify is off: its {runs} runs would take about {estimate:.0f} s "
+                       f"(on by default under {VERIFY_BUDGET_S:.0f} s); pass --verify to check "
+                       "the fixes")
+        return
+    v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
+                         max(session.plan["plain"], 5), ns.verify_pairs,
+                         timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd)
+    d.verify_lines = _verify.verify(d, v, loader, cpus)
+    d.verify_runs = (v.runs, v.seconds)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.measure:
+        return _measure(ns)
+    started, cwd = perf_counter(), os.getcwd()
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
                             ns.trace_steps, ns.step_at, ns.plain_steps)
     exit_, error = None, None
@@ -750,6 +814,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         traceback.print_exc()
     else:
+        if error is None and session.plain_done_s is not None:
+            try:
+                _verify_fixes(ns, session, d, cwd, session.plain_done_s - started + 2.0)
+                text = d.report()
+            except Exception:
+                print("\nsyncless doctor: --verify failed (a bug in syncless: please report it):",
+                      file=sys.stderr)
+                traceback.print_exc()
         _print_report(text)
         if ns.json:
             with open(ns.json, "w") as f:

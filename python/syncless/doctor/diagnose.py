@@ -88,6 +88,8 @@ class Diagnosis:
     periodic: list = field(default_factory=list)   # [_series.Stalls]: work apart from the step
     provisional: bool = False
     provisional_why: str = ""
+    verify_lines: list = field(default_factory=list)   # --verify's measurements, for the report
+    verify_runs: tuple = (0, 0.0)                      # (runs, seconds) --verify took
     _sampled: Any = None               # the sampler's counts by (file, line, via)
 
     def report(self) -> str:
@@ -113,6 +115,7 @@ class Diagnosis:
             "overhead": self.overhead, "warmup_steps": self.warmup,
             "provisional": self.provisional, "provisional_why": self.provisional_why,
             "periodic": [s.as_dict() for s in self.periodic],
+            "verify": self.verify_lines, "verify_runs": self.verify_runs[0],
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
             "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,

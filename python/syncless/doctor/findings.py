@@ -91,7 +91,8 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
-                       host_ms: float | None = None) -> Finding | None:
+                       host_ms: float | None = None, trainer_cpus: int | None = None
+                       ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step)."""
@@ -103,7 +104,11 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
     floor = gpu_ms or 0.0
     wins = max(host, floor) - max(host - removed, floor)
     target = max(0.0, step_ms - max(0.0, wins))
-    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
+    if trainer_cpus is None:
+        # A CPU loop's own ops run on torch's intra-op threads; a GPU loop's host needs one.
+        import torch
+        trainer_cpus = 1 if cuda else torch.get_num_threads()
+    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
     fixes = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
@@ -118,6 +123,13 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
                "the iterator makes each batch on the training thread")
         fixes.append(Fix(f"{now}: {what} (at least {plan.needed}: {per} and {need}; this machine "
                          f"has {plan.cpus} CPUs)", target, "workers"))
+    elif plan.most == 0:
+        fixes.append(Fix(
+            f"no CPU is free for a worker: {per}, and torch's own threads use "
+            f"{plan.trainer_cpus} of this machine's {plan.cpus} CPUs "
+            "(torch.get_num_threads()), so a worker would take its CPU from the step. Measure "
+            "it (python -m syncless doctor --verify sweeps num_workers), or make batches "
+            "cheaper (store preprocessed samples, so that loading only reads)", None, "workers"))
     else:
         best = plan.step_ms(plan.most)
         fixes.append(Fix(

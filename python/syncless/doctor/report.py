@@ -164,6 +164,12 @@ def render_doctor(d: Any) -> str:
             for detail in f.detail.splitlines():
                 lines.append(f"   {detail}")
             lines += [_fix_line(fix) for fix in f.fixes]
+    if getattr(d, "verify_lines", None):
+        runs, seconds = d.verify_runs
+        lines.append("")
+        lines.append(f"checked by --verify ({runs} fresh runs of the script, {seconds:.0f} s; "
+                     "paired, interleaved; 95% intervals):")
+        lines += [f"  - {line}" for line in d.verify_lines]
     if d.speedups:
         lines.append("")
         lines.append("to make the GPU's own work faster (not predicted):")
