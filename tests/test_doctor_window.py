@@ -3,6 +3,7 @@ bottleneck by construction (sleeps several times apart), so no assertion depends
 host is: a loader that starves only once its prefetch is spent, a periodic stall, an evaluation
 before training."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -197,3 +198,71 @@ def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path, request):
     assert d["provisional"] is True
     assert "only an evaluation (forward-only steps) ran" in d["provisional_why"], d
     assert "30 model calls with autograd off" in r, r
+
+
+# ---- advice in the framework's words --------------------------------------------------------------
+
+def test_starvation_fix_in_the_trainers_words():
+    from syncless.doctor._frameworks import in_framework_words
+    from syncless.doctor.findings import starvation_finding
+    loader = {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
+    hf = starvation_finding(16.0, 17.0, None, loader, data_cpu=0.1)
+    pl = starvation_finding(16.0, 17.0, None, loader, data_cpu=0.1)
+    n = hf.extra["workers_needed"]
+    assert n == math.ceil(1.1 * 16.0 / 1.0)          # a batch each 16 ms, one needed each 1 ms
+    in_framework_words([hf], "transformers", gpu=True)
+    in_framework_words([pl], "lightning", gpu=False)
+    assert hf.fixes[0] == (f"TrainingArguments(dataloader_num_workers={n}, "
+                           "dataloader_persistent_workers=True, dataloader_pin_memory=True, "
+                           'accelerator_config={"non_blocking": True}): the Trainer makes the '
+                           "DataLoader")
+    assert pl.fixes[0].startswith(f"DataLoader(..., num_workers={n}, persistent_workers=True) "
+                                  "in your train_dataloader()")
+    assert hf.fixes[0].predicted_ms == hf.fixes[1].predicted_ms == pytest.approx(1.0)
+
+
+def test_a_cpu_loop_gets_no_worker_that_torch_needs():
+    # torch's own threads use every CPU of this machine for a CPU loop: a worker that computes
+    # would take its CPU from the step (2 cores: 300-396 it/s fell to 166-191 with one worker).
+    import torch
+    from syncless.doctor.findings import starvation_finding
+    cpus = torch.get_num_threads()
+    f = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus, data_cpu=1.0)
+    assert f.extra["workers_needed"] is None and f.predicted_ms is None
+    assert f.fixes[0].startswith("no CPU is free for a worker"), f.fixes[0]
+    assert f"torch's own threads use {cpus} of this machine's {cpus} CPUs" in f.fixes[0]
+    g = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus + 5, data_cpu=1.0)
+    assert g.extra["workers_needed"] == 5, "CPUs torch leaves free are the workers'"
+
+
+LIGHTNING = """
+    import time, torch, lightning as L
+    from torch.utils.data import DataLoader, Dataset
+    class Slow(Dataset):                          # 4 x 4 ms a batch, made on the training thread
+        def __len__(self): return 100000
+        def __getitem__(self, i):
+            time.sleep(0.004)
+            return torch.ones(8)
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+        def training_step(self, batch, i):
+            return self.layer(batch).sum()
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+        def train_dataloader(self):
+            return DataLoader(Slow(), batch_size=4)
+    if __name__ == "__main__":
+        L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False).fit(Model())
+"""
+
+
+@pytest.mark.slow
+def test_a_lightning_script_gets_the_dataloader_argument(tmp_path):
+    d, out = doctor_process(tmp_path, LIGHTNING, "--quick", "--no-verify")
+    assert d["verdict"] == "data-bound", out
+    [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
+    assert f["fixes"][0]["text"].startswith("DataLoader(..., num_workers="), f["fixes"]
+    assert "in your train_dataloader()" in f["fixes"][0]["text"]

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ._frameworks import stack_framework
+
 __all__ = ["KINDS", "Boundaries", "step", "parse_step_at"]
 
 # The boundary kinds, strongest first, as the report names them.
@@ -78,6 +80,7 @@ class Boundaries:
         self.model = None                      # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self.optimizer_made = False            # a torch optimizer was constructed
+        self.framework = ""                    # the loop's: "transformers", "lightning", ...
         self.forward_only = 0                  # model calls with autograd off (evaluation)
         self._optimizer_init = None            # Optimizer.__init__ while it is replaced
         self._handles: list = []
@@ -186,6 +189,7 @@ class Boundaries:
     def _on_optimizer(self, optimizer, args, kwargs) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
+            self.framework = stack_framework(sys._getframe(1))
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
         if not _capturing():

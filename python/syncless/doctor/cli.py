@@ -46,6 +46,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from ._boundary import (ANY_OPTIMIZER, BACKWARD, LOADER, MARKER, MODULE, OPTIMIZER, STEP_AT,
                         Boundaries, parse_step_at)
 from ._frames import short
+from ._frameworks import in_framework_words
 from . import _verify
 from ._loader import cpu_count, loader_settings, ready_batches, timed_dataloaders
 from ._sampler import StackSampler
@@ -548,6 +549,7 @@ class ScriptSession:
         if self.traced:
             d.trace = self.trace
         self._honest(d, observed)
+        in_framework_words(d.findings + d.minor, self.bounds.framework, gpu)
         return d
 
     # ---- the unobserved step, the periodic work, how honest the window was ----------------------
