@@ -124,6 +124,9 @@ class ScriptSession:
         self.contexts: dict = {p: [] for p in PHASES}
         self._ctx0 = (0, 0)
         self._wait_s = 0.0                       # time in DataLoader next() this step
+        self._step_nexts: dict = {}              # id(dataset) -> next() calls this step
+        self._step_waits: dict = {}              # id(dataset) -> seconds in them (monitored)
+        self._names: dict = {}                   # id(dataset) -> its type's name
         self.epoch_starts = 0                    # DataLoader iterators started (or reset)
         self._iterator = None                    # weakref to the iterator next()'d last
         self.why: list = []                      # why the verdict is provisional
@@ -148,6 +151,10 @@ class ScriptSession:
         prefetch the warm-up uses up."""
         if getattr(iterator, "_num_yielded", 1) == 0:
             self.epoch_starts += 1
+        dataset = getattr(iterator, "_dataset", iterator)
+        self._step_nexts[id(dataset)] = self._step_nexts.get(id(dataset), 0) + 1
+        if id(dataset) not in self._names:
+            self._names[id(dataset)] = type(dataset).__name__
         if self._iterator is None or self._iterator() is not iterator:
             self._iterator = weakref.ref(iterator)
 
@@ -164,6 +171,7 @@ class ScriptSession:
         rec[1] += 1
         rec[2] += seconds
         self._last_loader = rec
+        self._step_waits[id(dataset)] = self._step_waits.get(id(dataset), 0.0) + seconds
 
     def add_data_cpu(self, wall: float, cpu: float) -> None:
         # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU
@@ -242,7 +250,8 @@ class ScriptSession:
             self.durations[phase].append((t_in - self._t_out) * 1e3)
             self.contexts[phase].append((self._t_out, t_in,
                                          self.bounds.forward_only - self._ctx0[0],
-                                         self.epoch_starts - self._ctx0[1], self._wait_s * 1e3))
+                                         self.epoch_starts - self._ctx0[1], self._wait_s * 1e3,
+                                         self._step_nexts, self._step_waits))
         self.done[phase] += 1
         if not self._complete(phase):
             self._open_step()
@@ -260,6 +269,7 @@ class ScriptSession:
     def _mark(self, phase: str, t_in: float) -> None:
         self._ctx0 = (self.bounds.forward_only, self.epoch_starts)
         self._wait_s = 0.0
+        self._step_nexts, self._step_waits = {}, {}
         self._t_out = perf_counter()
         if phase == "plain":
             self._own_s += self._t_out - t_in
@@ -536,7 +546,7 @@ class ScriptSession:
                          + ("" if self.probe.steps else "; the GPU work is the trace's"))
         if "audit" not in self.entered:
             self.audit.reason = "the script ended before the audit"
-        m = self._feeding_loader_only(m, notes)
+        m = self._feeding_loader_only(m, notes, observed.stalled)
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
         monitored = max(1, self.done["monitor"])
         d = assess(m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
@@ -615,6 +625,18 @@ class ScriptSession:
         if not ctx:
             return "unknown"
         rest = [wait(i) for i in range(len(contexts)) if i not in observed.stalled]
+        feeding = self._feeding()
+        other: dict = {}
+        for c in ctx:
+            for k, n in c[5].items():
+                if k != feeding:
+                    other[k] = other.get(k, 0) + n
+        forward = sum(c[2] for c in ctx) / len(ctx)
+        if other:
+            names = ", ".join(f"{n / len(ctx):g} next() of {self._names.get(k, '?')}"
+                              for k, n in other.items())
+            return (f"an evaluation (another DataLoader: {names}"
+                    + (f"; {forward:g} forward-only model calls" if forward else "") + ")")
         extra = sum(self.durations["monitor"][i] for i in steps) / len(steps) - \
             observed.steady_ms
         waited = sum(wait(i) for i in steps) / len(steps) - \
@@ -628,7 +650,6 @@ class ScriptSession:
                             "(persistent_workers=True keeps them)")
                 return "a new epoch: the DataLoader's first batch"
             return "the DataLoader makes the step wait (slow batches now and then)"
-        forward = sum(c[2] for c in ctx) / len(ctx)
         if forward >= 1:
             return (f"an evaluation: {forward:g} forward-only model calls (autograd off) "
                     "inside the step")
@@ -637,7 +658,15 @@ class ScriptSession:
             return f"host work, mostly at {line.where} `{line.code}`"
         return "host work in the step"
 
-    def _feeding_loader_only(self, m, notes: list):
+    def _feeding(self) -> int | None:
+        """id() of the dataset whose loader feeds the steps: the most next() calls."""
+        calls: dict = {}
+        for c in self.contexts["monitor"] + self.contexts["plain"]:
+            for k, n in c[5].items():
+                calls[k] = calls.get(k, 0) + n
+        return max(calls, key=calls.get) if calls else None
+
+    def _feeding_loader_only(self, m, notes: list, stalled: set = frozenset()):
         """The data wait of the loader that feeds the steps (the most next() calls), not of
         others (an evaluation loader every N steps): more workers for the training loader
         would not shorten those; their waits count to the step body, with a note."""
@@ -645,7 +674,12 @@ class ScriptSession:
             return m
         recs = sorted(self._loaders.values(), key=lambda r: -r[1])   # stable: first seen wins
         feeding, others = recs[0], recs[1:]
-        moved = sum(r[2] for r in others) * 1e3 / m.steps
+        # Their waits in the steady steps only: those in stalls are periodic work, apart.
+        ids = {id(r[0]) for r in others}
+        moved = sum(w for i, c in enumerate(self.contexts["monitor"]) if i not in stalled
+                    for k, w in c[6].items() if k in ids) * 1e3 / m.steps
+        if moved == 0:
+            return m
         name = (lambda r: type(r[0]).__name__)
         notes.append(
             f"{len(others)} other DataLoader{'s' if len(others) > 1 else ''} ("
