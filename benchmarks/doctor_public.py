@@ -52,7 +52,7 @@ CASES = {
                       "--n_head=2", "--n_embd=64", "--eval_iters=20", "--max_iters=100000"],
                      ["config/train_shakespeare_char.py", "--compile=False",
                       "--max_iters=100000"],
-                     {"launch-bound": {"args": {"--compile": "True"}},
+                     {"launch-bound": {"apply": {"compile": "reduce-overhead"}},
                       "sync": {"args": {"--log_interval": "100000"}}}),
     "imagenet_resnet18": ("examples/imagenet", "main.py",
                           ["--dummy", "-a", "resnet18", "-b", "4", "-j", "1", "--epochs", "1"],
@@ -214,7 +214,7 @@ def run_case(name: str, device: str, pairs: int, verify: bool) -> dict:
     quick = _doctor(cwd, script, args, "--quick", "--no-verify")
     full = _doctor(cwd, script, args, *(["--verify"] if verify else ["--no-verify"]))
     keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
-            "periodic", "boundary", "warmup_steps", "seconds", "verify", "error")
+            "periodic", "boundary", "warmup_steps", "seconds", "verify", "error", "notes")
     res["quick"] = {k: quick.get(k) for k in keep}
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",

@@ -558,6 +558,8 @@ class ScriptSession:
                    model=self.bounds.model, autocast=self.bounds.autocast)
         if self.traced:
             d.trace = self.trace
+        if d.summary.steps:                      # every monitored step, stalls or not
+            d.summary = dataclasses.replace(d.summary, steps=self.done["monitor"])
         self._honest(d, observed)
         in_framework_words(d.findings + d.minor, self.bounds.framework, gpu)
         return d
@@ -581,7 +583,8 @@ class ScriptSession:
             why.append(f"the script {self.ended} before every phase ran ({self._missed()})")
         for st in d.periodic:
             if st.every_steps is None and len(st.steps) == 1 and st.share >= 0.05:
-                why.append(f"a stall of {st.ms_each:.0f} ms came once in {plain.steps} steps "
+                why.append(f"a stall of {st.ms_each:.0f} ms came once in "
+                           f"{(plain if plain is not None else observed).steps} steps "
                            "(work with a longer period, or a one-off?)")
         d.provisional = bool(why)
         d.provisional_why = "; ".join(why)
@@ -811,9 +814,9 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
     if ns.verify is None and estimate > VERIFY_BUDGET_S:
-        d.notes.append(f"--verify is off: its {runs} runs would take about {estimate:.0f} s "
-                       f"(on by default under {VERIFY_BUDGET_S:.0f} s); pass --verify to check "
-                       "the fixes")
+        d.verify_lines = [f"off: its {runs} runs would take about {estimate:.0f} s (on by "
+                          f"default under {VERIFY_BUDGET_S:.0f} s); pass --verify to check "
+                          "the fixes"]
         return
     v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
                          max(session.plan["plain"], 5), ns.verify_pairs,

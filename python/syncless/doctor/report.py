@@ -164,7 +164,10 @@ def render_doctor(d: Any) -> str:
             for detail in f.detail.splitlines():
                 lines.append(f"   {detail}")
             lines += [_fix_line(fix) for fix in f.fixes]
-    if getattr(d, "verify_lines", None):
+    if getattr(d, "verify_lines", None) and not d.verify_runs[0]:
+        lines.append("")
+        lines.append(f"--verify: {d.verify_lines[0]}")
+    elif getattr(d, "verify_lines", None):
         runs, seconds = d.verify_runs
         lines.append("")
         lines.append(f"checked by --verify ({runs} fresh runs of the script, {seconds:.0f} s; "
