@@ -45,21 +45,29 @@ def ci95(diffs: list) -> tuple[float, float, float]:
 
 # ---- in the measured run: the settings, applied from outside the code ---------------------------
 
-def apply(settings: dict) -> None:
-    """Apply `settings` (what --apply carries) to this process before the script runs."""
+def apply(settings: dict):
+    """Apply `settings` (what --apply carries) to this process before the script runs; returns
+    the function that undoes it."""
     import torch
+    undo = []
     loader = settings.get("loader")
     if loader:
-        _patch_dataloader(loader)
+        undo.append(_patch_dataloader(loader))
     if settings.get("tf32"):
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+        def tf32_off():
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        undo.append(tf32_off)
     mode = settings.get("compile")
     if mode:
-        _compile_first_model(mode)
+        undo.append(_compile_first_model(mode))
+    return lambda: [u() for u in reversed(undo)]
 
 
-def _patch_dataloader(overrides: dict) -> None:
+def _patch_dataloader(overrides: dict):
     from torch.utils.data import DataLoader
     original = DataLoader.__init__
     signature = inspect.signature(original)
@@ -75,6 +83,10 @@ def _patch_dataloader(overrides: dict) -> None:
 
     DataLoader.__init__ = init
 
+    def restore():
+        DataLoader.__init__ = original
+    return restore
+
 
 def _compile_first_model(mode: str) -> None:
     import torch
@@ -86,6 +98,11 @@ def _compile_first_model(mode: str) -> None:
         return call(module, *args, **kwargs)
 
     torch.nn.Module.__call__ = first_call
+
+    def restore():
+        if torch.nn.Module.__call__ is first_call:
+            torch.nn.Module.__call__ = call
+    return restore
 
 
 # ---- in the doctor: run, pair, decide -------------------------------------------------------------

@@ -786,13 +786,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _measure(ns: argparse.Namespace) -> int:
     """--measure PATH: time the script's steps unobserved (after an honest warm-up), with the
     --apply settings applied from outside the code; write {"plain_step_ms": ...} to PATH."""
-    if ns.apply:
-        _verify.apply(json.loads(ns.apply))
+    undo = _verify.apply(json.loads(ns.apply)) if ns.apply else (lambda: None)
     session = ScriptSession(ns.warmup, 0, 0, 0, None, 0, ns.step_at, ns.plain_steps)
     try:
         session.run(ns.script, ns.args)
     except BaseException as e:                   # its exit or error: what was timed counts
         session.ended = type(e).__name__
+    finally:
+        undo()
     with open(ns.measure, "w") as f:
         json.dump({"plain_step_ms": session.plain_step_ms(), "steps": session.done["plain"],
                    "warmup_steps": session.done["warm-up"], "why": session.why}, f)
