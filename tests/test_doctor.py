@@ -996,12 +996,15 @@ def test_clean_loop_gets_no_finding():
     # a 20 ms sleep kernel behind a captured step, its batch a ready-made 256 KB tensor pair that
     # a worker hands over in well under a millisecond (40x margin). A loader that made its
     # batches (random rows of 16 MB) kept up on one H200 host and starved on another, faster
-    # one (the doctor rightly asked for 15 workers there).
+    # one (the doctor rightly asked for 15 workers there). The batch is copied in without
+    # pinning: the copy waits for the previous step's GPU work (free in a GPU-bound loop), so
+    # the host stays one step ahead; with pin_memory=True and non_blocking copies the host ran
+    # ~30 steps ahead and the pinning thread's new pinned buffers waited for the GPU inside
+    # next(), which read as data wait (H200, this test's first version).
     torch.manual_seed(0)
     dim, batch = 256, 128
     batches = [(torch.randn(batch, dim), torch.randn(batch, dim)) for _ in range(8)]
-    loader = DataLoader(batches, batch_size=None, num_workers=2, pin_memory=True,
-                        persistent_workers=True)
+    loader = DataLoader(batches, batch_size=None, num_workers=2, persistent_workers=True)
     model = nn.Sequential(nn.Linear(dim, 1024), nn.ReLU(), nn.Linear(1024, dim)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x_static = torch.zeros(batch, dim, device="cuda")
@@ -1031,8 +1034,8 @@ def test_clean_loop_gets_no_finding():
             lambda s, t, v: rows.append(v))], device="cuda") as log:
 
         def step(b):
-            x_static.copy_(b[0], non_blocking=True)
-            y_static.copy_(b[1], non_blocking=True)
+            x_static.copy_(b[0])
+            y_static.copy_(b[1])
             graph.replay()
             torch.cuda._sleep(cycles_20ms)          # the GPU work that bounds the step
             log(loss=loss_static)

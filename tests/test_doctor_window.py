@@ -156,6 +156,31 @@ def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, reque
     assert "every 8 steps" in r and "work apart from the steady step" in r
 
 
+EPOCHS = """
+    import time, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    def start(worker):                             # a worker's start: 0.3 s (imports, a file)
+        time.sleep(0.3)
+    if __name__ == "__main__":
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = TensorDataset(torch.randn(64, 8))   # 8 batches an epoch
+        for epoch in range(1000):
+            for (x,) in DataLoader(data, batch_size=8, num_workers=2, worker_init_fn=start):
+                opt.zero_grad(); model(x).sum().backward(); time.sleep(0.02); opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_workers_restarting_every_epoch_are_periodic_work_with_their_fix(tmp_path):
+    d, out = doctor_process(tmp_path, EPOCHS, "--quick")
+    [epoch] = [p for p in d["periodic"] if p["every_steps"] == 8]
+    assert epoch["ms_each"] >= 250, epoch
+    assert epoch["what"] == ("a new epoch: the DataLoader starts its 2 workers again "
+                             "(persistent_workers=True keeps them)"), epoch
+    assert d["plain_step_ms"] < 100, "the restarts are not in the steady step"
+
+
 EVAL_FIRST = """
     import time, torch
     model = torch.nn.Linear(8, 8)

@@ -644,14 +644,16 @@ class ScriptSession:
             observed.steady_ms
         waited = sum(wait(i) for i in steps) / len(steps) - \
             (sum(rest) / len(rest) if rest else 0.0)
+        # A new epoch: the loader's workers start in iter(), before the first next() (the
+        # script's `for` line, not data wait); its first batches are waited for in next().
+        if sum(c[3] for c in ctx) >= 0.5 * len(ctx):
+            loader = self._loader or {}
+            workers = loader.get("num_workers") or 0
+            if workers and not loader.get("persistent_workers"):
+                return (f"a new epoch: the DataLoader starts its {workers} workers again "
+                        "(persistent_workers=True keeps them)")
+            return "a new epoch: the DataLoader's first batch"
         if extra > 0 and waited >= 0.5 * extra:
-            if sum(c[3] for c in ctx) >= 0.5 * len(ctx):
-                loader = self._loader or {}
-                workers = loader.get("num_workers") or 0
-                if workers and not loader.get("persistent_workers"):
-                    return (f"a new epoch: the DataLoader starts its {workers} workers again "
-                            "(persistent_workers=True keeps them)")
-                return "a new epoch: the DataLoader's first batch"
             return "the DataLoader makes the step wait (slow batches now and then)"
         if forward >= 1:
             return (f"an evaluation: {forward:g} forward-only model calls (autograd off) "
