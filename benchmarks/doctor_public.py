@@ -77,7 +77,7 @@ CASES = {
 }
 
 
-# ---- prepare --------------------------------------------------------------------------------------
+# ---- prepare -------------------------------------------------------------------------------------
 
 def _extract(mirror: str, paths: list, into: str) -> None:
     tar = subprocess.run(["git", "-C", mirror, "archive", "HEAD", *paths], check=True,
@@ -134,7 +134,7 @@ def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False) -> No
     _wikitext2(os.path.join(dest, "examples", "word_language_model", "data", "wikitext-2"))
 
 
-# ---- run ------------------------------------------------------------------------------------------
+# ---- run -----------------------------------------------------------------------------------------
 
 def _with(args: list, replace: dict) -> list:
     """`args` with each flag's value replaced (`--flag=v` or `--flag v`), or the flag added (in

@@ -40,7 +40,7 @@ def doctor_process(tmp_path, script_text, *options, timeout=300):
     return json.loads((tmp_path / "d.json").read_text()), r.stdout
 
 
-# ---- the series: stalls apart from the steady step ------------------------------------------------
+# ---- the series: stalls apart from the steady step -----------------------------------------------
 
 def test_a_stall_every_8_steps_is_periodic_and_out_of_the_steady_step():
     d = [20.0] * 40
@@ -80,7 +80,7 @@ def test_steps_marked_steady_are_never_stalls():
     assert split(d, steady=set(range(1, 20, 2))).steady_ms == 25.0
 
 
-# ---- the CLI on scripts whose bottleneck is set by construction -----------------------------------
+# ---- the CLI on scripts whose bottleneck is set by construction ----------------------------------
 
 # First of the CLI tests: its workers are forked before this process has run torch's thread
 # pools (forked after them, their shutdown at the next gc waited 2 x 5 s here).
@@ -226,7 +226,7 @@ def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path, request):
     assert "30 model calls with autograd off" in r, r
 
 
-# ---- advice in the framework's words --------------------------------------------------------------
+# ---- advice in the framework's words -------------------------------------------------------------
 
 def test_starvation_fix_in_the_trainers_words():
     from syncless.doctor._frameworks import in_framework_words

@@ -161,8 +161,8 @@ def in_framework_words(findings: list, framework: str, gpu: bool) -> None:
                         "LightningModule's or the LightningDataModule's)")
         elif f.kind == "launch-bound":
             text = ('TrainingArguments(torch_compile=True, torch_compile_mode="reduce-overhead")'
-                    if framework == "transformers" else
-                    'model = torch.compile(model, mode="reduce-overhead") before trainer.fit(model)')
+                    if framework == "transformers" else 'model = torch.compile(model, '
+                    'mode="reduce-overhead") before trainer.fit(model)')
             predicted = next((x.predicted_ms for x in f.fixes if x.tag == "cuda-graph"),
                              predicted)
         if text:

@@ -8,7 +8,8 @@ import os
 from time import perf_counter, thread_time
 from typing import Any, Callable
 
-__all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
+__all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan",
+           "plan_workers"]
 
 HEADROOM = 1.1      # workers for 10% more throughput than the step needs: batch times jitter
 

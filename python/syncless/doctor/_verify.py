@@ -105,7 +105,7 @@ def _compile_first_model(mode: str) -> None:
     return restore
 
 
-# ---- in the doctor: run, pair, decide -------------------------------------------------------------
+# ---- in the doctor: run, pair, decide ------------------------------------------------------------
 
 class Verifier:
     """Fresh measured runs of `script args`, each `warmup` + `steps` unobserved steps."""

@@ -56,7 +56,7 @@ from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, t
 from .monitor import StepMonitor
 
 PHASES = ("warm-up", "plain", "monitor", "probe", "audit", "kernels")
-WARMUP_EXTRA = 20        # warm-up steps beyond --warmup while the steps settle or the prefetch lasts
+WARMUP_EXTRA = 20        # warm-up steps past --warmup while steps settle or the prefetch lasts
 SETTLED = 3.0            # a warm-up ends on a step at most this many times its fastest step
 SETTLED_MS = 5.0         # ... plus 5 ms (a loaded host's hiccup; compiles take 100s of ms)
 PLAIN_WALL_S = 60.0      # the unobserved window grows to see a stall again, for at most this long

@@ -75,7 +75,8 @@ class Finding:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "title": self.title, "wins_ms": self.cost_ms,
-                "predicted_ms": self.predicted_ms, "verified": self.verified, "detail": self.detail, "where": self.where,
+                "predicted_ms": self.predicted_ms, "verified": self.verified,
+                "detail": self.detail, "where": self.where,
                 "fixes": [{"text": str(f), "predicted_ms": getattr(f, "predicted_ms", None),
                            "tag": getattr(f, "tag", "")} for f in self.fixes], **self.extra}
 
