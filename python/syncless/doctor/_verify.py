@@ -196,7 +196,8 @@ def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
     """Measure each setting fix of diagnosis `d`; set each finding's `verified`; returns lines
     for the report."""
     lines = []
-    for finding, label, settings in setting_fixes(d):
+    fixes = setting_fixes(d)
+    for finding, label, settings in fixes:
         if label == "loader":
             current = loader.get("num_workers") or 0
             extra = {"persistent_workers": True}
@@ -230,4 +231,9 @@ def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
             + (f", predicted {predicted:.2f}" if predicted is not None else "")
             + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
             + (f"; sweep {sweep}" if label.startswith("num_workers") else ""))
+    checked = {id(f) for f, _, _ in fixes}
+    for f in d.findings:
+        if id(f) not in checked:
+            lines.append(f"{f.title}: a change in the code, not applied from outside: its "
+                         "prediction stands, unmeasured")
     return lines
