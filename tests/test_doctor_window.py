@@ -82,8 +82,6 @@ def test_steps_marked_steady_are_never_stalls():
 
 # ---- the CLI on scripts whose bottleneck is set by construction ----------------------------------
 
-# First of the CLI tests: its workers are forked before this process has run torch's thread
-# pools (forked after them, their shutdown at the next gc waited 2 x 5 s here).
 PREFETCH = """
     import time, torch
     from torch.utils.data import DataLoader, Dataset
@@ -102,11 +100,14 @@ PREFETCH = """
 """
 
 
-def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path, request):
+@pytest.mark.slow
+def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
     # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
     # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
     # only the prefetched batches.
-    d, r = doctor_json(tmp_path, PREFETCH, "--quick", request=request)
+    # In its own interpreter: workers forked from a process whose torch thread pools ran (the
+    # other tests') took 2 x 5 s to shut down at the next gc.
+    d, r = doctor_process(tmp_path, PREFETCH, "--quick")
     assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
     assert d["verdict"] == "data-bound", r
     assert d["data_ms"] >= 10.0 and d["plain_step_ms"] >= 15.0, (d["data_ms"], d["plain_step_ms"])
@@ -253,11 +254,13 @@ def test_a_cpu_loop_gets_no_worker_that_torch_needs():
     import torch
     from syncless.doctor.findings import starvation_finding
     cpus = torch.get_num_threads()
-    f = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus, data_cpu=1.0)
+    f = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus, data_cpu=1.0,
+                           trainer_cpus=cpus)
     assert f.extra["workers_needed"] is None and f.predicted_ms is None
     assert f.fixes[0].startswith("no CPU is free for a worker"), f.fixes[0]
     assert f"torch's own threads use {cpus} of this machine's {cpus} CPUs" in f.fixes[0]
-    g = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus + 5, data_cpu=1.0)
+    g = starvation_finding(4.0, 5.0, None, {"num_workers": 0}, cpus=cpus + 5, data_cpu=1.0,
+                           trainer_cpus=cpus)
     assert g.extra["workers_needed"] == 5, "CPUs torch leaves free are the workers'"
 
 

@@ -565,8 +565,11 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     copy_ms = sum(s.blocked_ns / 1e6 / audit.step_count for s in audit.sites.values()
                   if cupti and not s.site.chain and s.kinds & {2, 3, 1}
                   and (".to(" in s.site.code or ".cuda(" in s.site.code))
+    # A CPU loop's ops run on torch's intra-op threads, which take CPUs a worker would need
+    # (2 cores: one worker took a CPU from torch, and the loop fell from 300-396 to 166-191 it/s).
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
-                           data_cpu=summary.data_cpu, host_ms=host_ms)
+                           data_cpu=summary.data_cpu, host_ms=host_ms,
+                           trainer_cpus=1 if gpu else torch.get_num_threads())
     if f:
         findings.append(f)
     enqueue_ms = max(0.0, body - blocked_in_body)

@@ -92,7 +92,7 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
-                       host_ms: float | None = None, trainer_cpus: int | None = None
+                       host_ms: float | None = None, trainer_cpus: int = 1
                        ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
@@ -105,10 +105,8 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
     floor = gpu_ms or 0.0
     wins = max(host, floor) - max(host - removed, floor)
     target = max(0.0, step_ms - max(0.0, wins))
-    if trainer_cpus is None:
-        # A CPU loop's own ops run on torch's intra-op threads; a GPU loop's host needs one.
-        import torch
-        trainer_cpus = 1 if cuda else torch.get_num_threads()
+    # `trainer_cpus`: the CPUs the training process keeps busy itself: one for a GPU loop's
+    # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
     fixes = []
     workers = plan.workers
