@@ -22,8 +22,18 @@ def write(path, text):
     return path
 
 
+def unobserved(options) -> tuple:
+    """No unobserved window unless a test asks for one: these tests count the steps of scripts
+    that end (the window's own tests are in test_doctor_window.py)."""
+    if "--verify" not in options:        # its fresh runs are test_doctor_verify.py's
+        options = ("--no-verify", *options)
+    return options if "--plain-steps" in options or "--quick" in options else \
+        ("--plain-steps", "0", *options)
+
+
 def doctor(tmp_path, script, *options, args=(), cwd=None, timeout=180):
     """Run the doctor on `script` (a path, or the text of tmp_path/train.py)."""
+    options = unobserved(options)
     if isinstance(script, str):
         script = write(tmp_path / "train.py", script)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
@@ -45,7 +55,7 @@ def doctor_all(tmp_path, cases: dict, timeout=180) -> dict:
         folder = tmp_path / name
         script = write(folder / "train.py", text)
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "syncless", "doctor", *options, str(script)],
+            [sys.executable, "-m", "syncless", "doctor", *unobserved(options), str(script)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder, env=env)
     out = {}
     try:
@@ -442,13 +452,13 @@ def test_an_evaluation_loader_is_not_the_training_loaders_data_wait(tmp_path):
             if step % 5 == 0:
                 with torch.no_grad():
                     val_loss = sum(torch.nn.functional.mse_loss(model(a), b) for a, b in val)
-    """, "--warmup", "1", "--steps", "10", "--audit-steps", "1")
+    """, "--warmup", "1", "--steps", "10", "--audit-steps", "1", "--plain-steps", "10")
     assert r.returncode == 0, r.stderr
-    # 2 batches and the StopIteration every 5 steps: 0.6 next() per step.
-    assert ("note: 1 other DataLoader (SlowVal: 0.6 next()/step) blocked " in r.stdout
-            and "the data wait is that of the loader feeding the steps (TensorDataset, 1 "
-                "next()/step)" in r.stdout), r.stdout
-    m = re.search(r"^  data wait\s+([\d.]+)\s+.*\n  CPU \(step body\)\s+([\d.]+)", r.stdout, re.M)
-    assert m, r.stdout
-    assert float(m.group(1)) < float(m.group(2)), "the evaluation's 80 ms sleeps every 5 steps " \
-                                                  "are the step body's, not data wait"
+    # The evaluation every 5 steps (2 batches of 4 x 10 ms) is periodic work, apart from the
+    # steady step, named by its loader; the steady step's data wait is the training loader's.
+    m = re.search(r"^  - every 5 steps, ([\d.]+) ms each \(\d+% of the wall time\): an evaluation "
+                  r"\(another DataLoader: 3 next\(\) of SlowVal; 2 forward-only model calls\)",
+                  r.stdout, re.M)
+    assert m and float(m.group(1)) >= 70, r.stdout
+    m = re.search(r"^  data wait\s+([\d.]+)\s", r.stdout, re.M)
+    assert m and float(m.group(1)) < 10, r.stdout

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ._frameworks import stack_framework
+
 __all__ = ["KINDS", "Boundaries", "step", "parse_step_at"]
 
 # The boundary kinds, strongest first, as the report names them.
@@ -77,6 +79,10 @@ class Boundaries:
         self.optimizers: list = []             # every optimizer stepped, in order of first step
         self.model = None                      # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
+        self.optimizer_made = False            # a torch optimizer was constructed
+        self.framework = ""                    # the loop's: "transformers", "lightning", ...
+        self.forward_only = 0                  # model calls with autograd off (evaluation)
+        self._optimizer_init = None            # Optimizer.__init__ while it is replaced
         self._handles: list = []
         self._backward = None
         self._module_call = None               # nn.Module.__call__ while it is replaced
@@ -126,6 +132,16 @@ class Boundaries:
             return out
 
         torch.autograd.backward = backward
+        # An optimizer made but not stepped yet: the model calls that come first (nanoGPT's
+        # estimate_loss() at iteration 0, Lightning's sanity check) are an evaluation, not the
+        # step (ScriptSession waits for the training step).
+        init = self._optimizer_init = torch.optim.Optimizer.__init__
+
+        def optimizer_init(optimizer, *args, **kwargs):
+            init(optimizer, *args, **kwargs)
+            self.optimizer_made = True
+
+        torch.optim.Optimizer.__init__ = optimizer_init
         if self.step_at is not None:
             self._watch_line(*self.step_at)
 
@@ -140,6 +156,9 @@ class Boundaries:
         if self._backward is not None:
             torch.autograd.backward = self._backward
             self._backward = None
+        if self._optimizer_init is not None:
+            torch.optim.Optimizer.__init__ = self._optimizer_init
+            self._optimizer_init = None
         if self._tool is not None:
             mon, tool = sys.monitoring, self._tool
             mon.set_events(tool, 0)
@@ -170,6 +189,7 @@ class Boundaries:
     def _on_optimizer(self, optimizer, args, kwargs) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
+            self.framework = stack_framework(sys._getframe(1))
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
         if not _capturing():
@@ -191,6 +211,8 @@ class Boundaries:
         self._handles.append(module.register_forward_pre_hook(self._on_model_call))
 
     def _on_model_call(self, module, args) -> None:
+        if not torch.is_grad_enabled():          # no_grad, inference_mode: forward only
+            self.forward_only += 1
         if not self.autocast:
             try:
                 self.autocast = torch.is_autocast_enabled("cuda")

@@ -8,7 +8,8 @@ import os
 from time import perf_counter, thread_time
 from typing import Any, Callable
 
-__all__ = ["cpu_count", "loader_settings", "timed_dataloaders", "WorkerPlan", "plan_workers"]
+__all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan",
+           "plan_workers"]
 
 HEADROOM = 1.1      # workers for 10% more throughput than the step needs: batch times jitter
 
@@ -36,6 +37,16 @@ def loader_settings(loader: Any) -> dict:
                 "prefetch_factor": getattr(loader, "_prefetch_factor", None),
                 "batch_size": None}
     return {}
+
+
+def ready_batches(it: Any) -> int | None:
+    """Batches a DataLoader iterator's workers have made and the steps have not taken yet (its
+    queue, and those that came out of order); None where the queue cannot say (macOS)."""
+    try:
+        queued = it._data_queue.qsize()
+    except (AttributeError, NotImplementedError, OSError):
+        return None
+    return queued + sum(1 for v in getattr(it, "_task_info", {}).values() if len(v) == 2)
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -109,6 +120,14 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
     def timed_next(self):
         if on_next is not None:
             on_next()
+        if hasattr(monitor, "loader_next"):
+            monitor.loader_next(self)                  # which iterator, at which batch (doctor)
+        if not getattr(monitor, "observing", True):    # the doctor's unobserved steps
+            t = perf_counter()
+            try:
+                return original(self)
+            finally:
+                monitor.add_data_wait(perf_counter() - t)
         t, c = perf_counter(), thread_time()
         try:
             return original(self)
@@ -154,16 +173,19 @@ class WorkerPlan:
     work), which the loader must keep up with."""
 
     def __init__(self, workers: int, per_batch_ms: float, target_ms: float, cpus: int,
-                 computes: bool = True):
+                 computes: bool = True, trainer_cpus: int = 1):
         self.workers = workers
         self.per_batch_ms = per_batch_ms
         self.target_ms = target_ms
         self.cpus = cpus
         self.computes = computes                  # False: loading mostly waits (I/O)
         self.needed = max(1, math.ceil(HEADROOM * per_batch_ms / max(target_ms, 1e-6)))
-        # A worker that computes needs a CPU, and one CPU stays with the training process; one
-        # that waits does not (up to 64 workers, where their memory starts to matter).
-        self.most = max(1, cpus - 1) if computes else max(64, cpus - 1)
+        # A worker that computes needs a CPU, and the training process keeps the CPUs its own
+        # threads use (one for a GPU loop; torch's intra-op threads for a CPU loop: on 2 cores
+        # a worker took one from torch and the loop fell from 300-396 to 166-191 it/s); one
+        # that waits needs none (up to 64 workers, where their memory starts to matter).
+        self.trainer_cpus = trainer_cpus
+        self.most = max(0, cpus - trainer_cpus) if computes else max(64, cpus - 1)
         self.enough = self.needed <= self.most
 
     def step_ms(self, workers: int) -> float:
@@ -172,10 +194,12 @@ class WorkerPlan:
 
 
 def plan_workers(settings: dict, data_ms: float, step_ms: float, target_ms: float,
-                 cpus: int | None = None, data_cpu: float | None = None) -> WorkerPlan:
+                 cpus: int | None = None, data_cpu: float | None = None,
+                 trainer_cpus: int = 1) -> WorkerPlan:
     """`data_cpu`: the CPU share of the loading, measured on the training thread (num_workers=0)
     or in the workers; under 0.5 the loading mostly waits, and workers need no CPU each."""
     workers = settings.get("num_workers") or 0
     per_batch = data_ms if workers == 0 else workers * step_ms
     computes = data_cpu is None or data_cpu >= 0.5
-    return WorkerPlan(workers, per_batch, target_ms, cpus or cpu_count(), computes)
+    cpus = cpus or cpu_count()
+    return WorkerPlan(workers, per_batch, target_ms, cpus, computes, min(trainer_cpus, cpus))

@@ -82,6 +82,14 @@ class Diagnosis:
     notes: list = field(default_factory=list)
     trace: str | None = None
     kernel_time: Any = None            # the trace's KernelTime, as read
+    plain_step_ms: float | None = None  # the steady step timed unobserved (boundaries only)
+    plain_steps: int = 0
+    overhead: float | None = None      # step_ms / plain_step_ms: how much observing slowed it
+    periodic: list = field(default_factory=list)   # [_series.Stalls]: work apart from the step
+    provisional: bool = False
+    provisional_why: str = ""
+    verify_lines: list = field(default_factory=list)   # --verify's measurements, for the report
+    verify_runs: tuple = (0, 0.0)                      # (runs, seconds) --verify took
     _sampled: Any = None               # the sampler's counts by (file, line, via)
 
     def report(self) -> str:
@@ -103,6 +111,11 @@ class Diagnosis:
             "verdict": self.verdict_kind, "verdict_text": self.verdict,
             "headroom_ms": self.headroom_ms,
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
+            "plain_step_ms": self.plain_step_ms, "plain_steps": self.plain_steps,
+            "overhead": self.overhead, "warmup_steps": self.warmup,
+            "provisional": self.provisional, "provisional_why": self.provisional_why,
+            "periodic": [s.as_dict() for s in self.periodic],
+            "verify": self.verify_lines, "verify_runs": self.verify_runs[0],
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
             "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,
@@ -552,8 +565,11 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     copy_ms = sum(s.blocked_ns / 1e6 / audit.step_count for s in audit.sites.values()
                   if cupti and not s.site.chain and s.kinds & {2, 3, 1}
                   and (".to(" in s.site.code or ".cuda(" in s.site.code))
+    # A CPU loop's ops run on torch's intra-op threads, which take CPUs a worker would need
+    # (2 cores: one worker took a CPU from torch, and the loop fell from 300-396 to 166-191 it/s).
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
-                           data_cpu=summary.data_cpu, host_ms=host_ms)
+                           data_cpu=summary.data_cpu, host_ms=host_ms,
+                           trainer_cpus=1 if gpu else torch.get_num_threads())
     if f:
         findings.append(f)
     enqueue_ms = max(0.0, body - blocked_in_body)

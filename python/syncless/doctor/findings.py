@@ -60,6 +60,8 @@ class Finding:
     fixes: list = field(default_factory=list)
     where: str = ""            # file:line of a sync
     extra: dict = field(default_factory=dict)
+    # --verify's measurement of the best setting fix: {measured_ms, ci_low_ms, ci_high_ms, kept}
+    verified: dict | None = None
 
     @property
     def predicted_ms(self) -> float | None:
@@ -73,7 +75,8 @@ class Finding:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "title": self.title, "wins_ms": self.cost_ms,
-                "predicted_ms": self.predicted_ms, "detail": self.detail, "where": self.where,
+                "predicted_ms": self.predicted_ms, "verified": self.verified,
+                "detail": self.detail, "where": self.where,
                 "fixes": [{"text": str(f), "predicted_ms": getattr(f, "predicted_ms", None),
                            "tag": getattr(f, "tag", "")} for f in self.fixes], **self.extra}
 
@@ -89,7 +92,8 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
-                       host_ms: float | None = None) -> Finding | None:
+                       host_ms: float | None = None, trainer_cpus: int = 1
+                       ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step)."""
@@ -101,7 +105,9 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
     floor = gpu_ms or 0.0
     wins = max(host, floor) - max(host - removed, floor)
     target = max(0.0, step_ms - max(0.0, wins))
-    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu)
+    # `trainer_cpus`: the CPUs the training process keeps busy itself: one for a GPU loop's
+    # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
+    plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
     fixes = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
@@ -116,6 +122,13 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
                "the iterator makes each batch on the training thread")
         fixes.append(Fix(f"{now}: {what} (at least {plan.needed}: {per} and {need}; this machine "
                          f"has {plan.cpus} CPUs)", target, "workers"))
+    elif plan.most == 0:
+        fixes.append(Fix(
+            f"no CPU is free for a worker: {per}, and torch's own threads use "
+            f"{plan.trainer_cpus} of this machine's {plan.cpus} CPUs "
+            "(torch.get_num_threads()), so a worker would take its CPU from the step. Measure "
+            "it (python -m syncless doctor --verify sweeps num_workers), or make batches "
+            "cheaper (store preprocessed samples, so that loading only reads)", None, "workers"))
     else:
         best = plan.step_ms(plan.most)
         fixes.append(Fix(

@@ -274,19 +274,21 @@ class StepMonitor:
         self.drain()
         self._free.clear()
 
-    def summary(self, skip: int = 0) -> MonitorSummary:
-        """Means over the steps recorded (after `skip` warm-up steps). Call drain() first for
+    def summary(self, skip: int = 0, exclude: frozenset = frozenset()) -> MonitorSummary:
+        """Means over the steps recorded (after `skip` warm-up steps, without the steps in
+        `exclude`: the doctor's stalls, periodic work it reports apart). Call drain() first for
         every GPU time; without it only the completed ones count."""
         first = self.steps - len(self.data_s)
         lo = max(skip - first, 0)
-        data = list(self.data_s)[lo:]
-        cpu = list(self.cpu_s)[lo:]
+        kept = [s for s in range(first + lo, self.steps) if s not in exclude] or \
+            list(range(first + lo, self.steps))
+        data = [self.data_s[s - first] for s in kept]
+        cpu = [self.cpu_s[s - first] for s in kept]
         n = len(data)
         if n == 0:
             return MonitorSummary(0, 0.0, 0.0, 0.0, None, 0, None, 0.0, self.loader)
         walls = [d + c for d, c in zip(data, cpu)]
-        gpu = [(self.gpu_ms[s], walls[s - first - lo]) for s in range(first + lo, self.steps)
-               if s in self.gpu_ms]
+        gpu = [(self.gpu_ms[s], walls[j]) for j, s in enumerate(kept) if s in self.gpu_ms]
         gpu_ms = statistics.fmean(g for g, _ in gpu) if gpu else None
         idle = None
         if gpu:

@@ -67,6 +67,8 @@ def render_doctor(d: Any) -> str:
     m = d.summary
     step = d.step_ms
     ran = [f"+{d.warmup} warm-up"]
+    if getattr(d, "plain_steps", 0):
+        ran.append(f"{d.plain_steps} unobserved")
     if d.audit.elapsed_s:                  # 0 when the audit did not run (a script that ended)
         ran.append(f"{d.audit.step_count} audited")
     if d.probe_steps:
@@ -75,6 +77,8 @@ def render_doctor(d: Any) -> str:
              f"({', '.join(ran)})"]
     if d.boundary:
         lines.append(f"a step ends at each {d.boundary}")
+    if getattr(d, "provisional", False):
+        lines.append(f"PROVISIONAL: {d.provisional_why}")
     if m.steps == 0:
         # Nothing measured: no verdict and no table of zeros, only why.
         lines.append("")
@@ -83,6 +87,24 @@ def render_doctor(d: Any) -> str:
     lines += ["", f"verdict: {d.verdict}"]
     if d.headroom:
         lines.append(f"headroom: {d.headroom}")
+    plain = getattr(d, "plain_step_ms", None)
+    if plain is not None:
+        o = d.overhead
+        lines.append(f"step: {plain:.2f} ms unobserved (two timestamps a step, "
+                     f"{d.plain_steps} steps), {step:.2f} ms observed" + (
+                         f": observing {'slowed' if o > 1 else 'sped'} the loop "
+                         f"{'down' if o > 1 else 'up'} by {abs(o - 1):.0%}, so the breakdown "
+                         "and predictions below are the observed step's (read them as shares)"
+                         if o and abs(o - 1) > 0.05 else ""))
+    periodic = getattr(d, "periodic", [])
+    if periodic:
+        lines.append("")
+        lines.append("work apart from the steady step (not in it):")
+        for st in periodic:
+            when = (f"every {st.every_steps} steps" if st.every_steps else
+                    "once" if len(st.steps) == 1 else f"{len(st.steps)} times, irregularly")
+            lines.append(f"  - {when}, {st.ms_each:.1f} ms each ({st.share:.0%} of the wall "
+                         f"time): {st.what}")
     lines.append("")
     lines.append(f"where a step's {step:.2f} ms go" + (" (host wall, GPU drained at both ends)"
                                                        if d.gpu else " (CPU only)"))
@@ -142,6 +164,15 @@ def render_doctor(d: Any) -> str:
             for detail in f.detail.splitlines():
                 lines.append(f"   {detail}")
             lines += [_fix_line(fix) for fix in f.fixes]
+    if getattr(d, "verify_lines", None) and not d.verify_runs[0]:
+        lines.append("")
+        lines.append(f"--verify: {d.verify_lines[0]}")
+    elif getattr(d, "verify_lines", None):
+        runs, seconds = d.verify_runs
+        lines.append("")
+        lines.append(f"checked by --verify ({runs} fresh runs of the script, {seconds:.0f} s; "
+                     "paired, interleaved; 95% intervals):")
+        lines += [f"  - {line}" for line in d.verify_lines]
     if d.speedups:
         lines.append("")
         lines.append("to make the GPU's own work faster (not predicted):")

@@ -1,0 +1,290 @@
+"""The doctor on public training scripts nobody here wrote, against fixes applied by hand.
+
+    python benchmarks/doctor_public.py prepare [--mirror DIR]      # sources + synthetic data
+    python benchmarks/doctor_public.py run [--device cpu|cuda] [--only a,b] [--budget-s S]
+                                       [--out benchmarks/results/doctor_public_<device>.json]
+
+`prepare` copies the scripts from git mirrors of github:karpathy/nanoGPT and
+github:pytorch/examples (`--mirror DIR` holds `karpathy+nanoGPT/repo`, `pytorch+examples/repo`,
+bare clones; fetch them with git) into benchmarks/.public/ (git-ignored: nothing fetched is
+committed) and writes synthetic data where a script downloads its own. The scripts are not edited.
+The data patch, in full:
+  nanoGPT shakespeare_char  data/shakespeare_char/{train,val}.bin: uint16 tokens, uniform over a
+                            65-symbol vocabulary (1,003,854 and 111,540 tokens, the real sizes);
+                            meta.pkl: {vocab_size: 65, itos, stoi} over the same 65 symbols
+  MNIST (vae, mnist)        data/MNIST/raw/*-ubyte: random 28x28 uint8 images and labels 0-9 in the
+                            idx format, 60,000 train / 10,000 test (torchvision then finds them and
+                            does not download)
+  imagenet, dcgan           none: their own --dummy / --dataset fake
+  word_language_model       data/wikitext-2/{train,valid,test}.txt: lines of 100 words drawn
+                            uniformly from 33,277 made-up words (2,088,628 / 217,646 / 245,569
+                            words; the snapshot's own copy is too large to be stored)
+
+`run` measures, per script: the doctor's verdict in its default and --quick runs, its steady step
+timed unobserved against the observed one, and the gain of its top fix applied by hand (the
+script's own option where it has one, else the setting applied from outside the code, as
+--verify does) timed in paired plain runs (two timestamps a step, `doctor --measure`), against
+the gain it predicted. Results go to --out as they come (a budget stops it between scripts)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tarfile
+import io
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEST = os.path.join(HERE, ".public")
+
+# name -> (folder under .public, script, cpu args, cuda args, hand fixes by finding kind).
+# A hand fix is {"args": {flag: value}} (the script's own option) or {"apply": settings}.
+CASES = {
+    "nanogpt_char": ("nanoGPT", "train.py",
+                     ["config/train_shakespeare_char.py", "--compile=False", "--device=cpu",
+                      "--dtype=float32", "--batch_size=8", "--block_size=64", "--n_layer=2",
+                      "--n_head=2", "--n_embd=64", "--eval_iters=20", "--max_iters=100000"],
+                     ["config/train_shakespeare_char.py", "--compile=False",
+                      "--max_iters=100000"],
+                     {"launch-bound": {"apply": {"compile": "reduce-overhead"}},
+                      "sync": {"args": {"--log_interval": "100000"}}}),
+    "imagenet_resnet18": ("examples/imagenet", "main.py",
+                          ["--dummy", "-a", "resnet18", "-b", "4", "-j", "1", "--epochs", "1"],
+                          ["--dummy", "-a", "resnet18", "-b", "256", "-j", "4", "--epochs", "1"],
+                          {"starvation": {"args": {"-j": "14"}}}),
+    "word_language_model": ("examples/word_language_model", "main.py",
+                            ["--epochs", "1", "--emsize", "64", "--nhid", "64", "--bptt", "20"],
+                            ["--accel", "--epochs", "1"],
+                            {"launch-bound": {"apply": {"compile": "reduce-overhead"}}}),
+    "dcgan_fake": ("examples/dcgan", "main.py",
+                   ["--dataset", "fake", "--niter", "5", "--batchSize", "16", "--ngf", "16",
+                    "--ndf", "16", "--outf", "out"],
+                   ["--dataset", "fake", "--niter", "25", "--accel", "--outf", "out"],
+                   {"starvation": {"args": {"--workers": "8"}},
+                    "launch-bound": {"apply": {"compile": "reduce-overhead"}}}),
+    "vae_mnist": ("examples/vae", "main.py", ["--no-accel", "--epochs", "3"], ["--epochs", "3"],
+                  {"starvation": {"apply": {"loader": {"num_workers": 8,
+                                                       "persistent_workers": True}}}}),
+    "mnist": ("examples/mnist", "main.py", ["--no-accel", "--epochs", "2"], ["--epochs", "2"],
+              {"starvation": {"apply": {"loader": {"num_workers": 8,
+                                                   "persistent_workers": True}}}}),
+}
+
+
+# ---- prepare -------------------------------------------------------------------------------------
+
+def _extract(mirror: str, paths: list, into: str) -> None:
+    tar = subprocess.run(["git", "-C", mirror, "archive", "HEAD", *paths], check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(into, filter="data")
+
+
+def _shakespeare_char(folder: str) -> None:
+    rng = np.random.default_rng(0)
+    chars = [chr(c) for c in range(32, 97)]                      # 65 symbols
+    os.makedirs(folder, exist_ok=True)
+    rng.integers(0, 65, 1_003_854, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
+    rng.integers(0, 65, 111_540, dtype=np.uint16).tofile(os.path.join(folder, "val.bin"))
+    with open(os.path.join(folder, "meta.pkl"), "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+
+
+def _wikitext2(folder: str) -> None:
+    rng = np.random.default_rng(0)
+    words = np.array([f"w{i}" for i in range(33_278 - 1)])        # + "<eos>": wikitext-2's 33,278
+    os.makedirs(folder, exist_ok=True)
+    for split, tokens in (("train", 2_088_628), ("valid", 217_646), ("test", 245_569)):
+        ids = rng.integers(0, len(words), tokens)
+        lines = [" ".join(words[ids[i:i + 100]]) for i in range(0, tokens, 100)]
+        with open(os.path.join(folder, f"{split}.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _mnist(raw: str) -> None:
+    rng = np.random.default_rng(0)
+    os.makedirs(raw, exist_ok=True)
+    for prefix, n in (("train", 60_000), ("t10k", 10_000)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        with open(os.path.join(raw, f"{prefix}-images-idx3-ubyte"), "wb") as f:
+            f.write(np.array([2051, n, 28, 28], dtype=">i4").tobytes() + images.tobytes())
+        with open(os.path.join(raw, f"{prefix}-labels-idx1-ubyte"), "wb") as f:
+            f.write(np.array([2049, n], dtype=">i4").tobytes() + labels.tobytes())
+
+
+def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False) -> None:
+    if not data_only:
+        _extract(os.path.join(mirror, "karpathy+nanoGPT", "repo"),
+                 ["train.py", "model.py", "configurator.py", "config"],
+                 os.path.join(dest, "nanoGPT"))
+        _extract(os.path.join(mirror, "pytorch+examples", "repo"),
+                 ["imagenet", "word_language_model", "dcgan", "vae", "mnist",
+                  ":!word_language_model/data"],
+                 os.path.join(dest, "examples"))
+    _shakespeare_char(os.path.join(dest, "nanoGPT", "data", "shakespeare_char"))
+    _mnist(os.path.join(dest, "examples", "data", "MNIST", "raw"))
+    _wikitext2(os.path.join(dest, "examples", "word_language_model", "data", "wikitext-2"))
+
+
+# ---- run -----------------------------------------------------------------------------------------
+
+def _with(args: list, replace: dict) -> list:
+    """`args` with each flag's value replaced (`--flag=v` or `--flag v`), or the flag added (in
+    the `--flag=v` form where the script's arguments use it: nanoGPT's configurator)."""
+    out = list(args)
+    equals = any(a.startswith("--") and "=" in a for a in args)
+    for flag, value in replace.items():
+        hits = [i for i, a in enumerate(out) if a == flag or a.startswith(flag + "=")]
+        for i in hits:
+            if out[i] == flag:
+                out[i + 1] = value
+            else:
+                out[i] = f"{flag}={value}"
+        if not hits:
+            out += [f"{flag}={value}"] if equals else [flag, value]
+    return out
+
+
+def _doctor(cwd: str, script: str, args: list, *options, timeout: float = 900) -> dict:
+    out = os.path.join(cwd, "doctor.json")
+    if os.path.exists(out):
+        os.remove(out)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--json", out, *options,
+                        script, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    seconds = time.perf_counter() - t
+    if not os.path.exists(out):
+        return {"error": (r.stderr or r.stdout)[-2000:], "seconds": seconds}
+    with open(out) as f:
+        d = json.load(f)
+    d["seconds"] = seconds
+    d["report"] = r.stdout[-6000:]
+    return d
+
+
+def _measure(cwd: str, script: str, args: list, apply: dict | None, warmup: int,
+             steps: int) -> float | None:
+    out = os.path.join(cwd, "measure.json")
+    if os.path.exists(out):
+        os.remove(out)
+    cmd = [sys.executable, "-m", "syncless", "doctor", "--measure", out, "--warmup", str(warmup),
+           "--plain-steps", str(steps)]
+    if apply:
+        cmd += ["--apply", json.dumps(apply)]
+    subprocess.run(cmd + [script, *args], cwd=cwd, capture_output=True, timeout=900)
+    try:
+        with open(out) as f:
+            return json.load(f)["plain_step_ms"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _hand_fix(cwd, script, args, fix, warmup, steps, pairs) -> dict:
+    """The fix applied by hand, in `pairs` interleaved pairs of plain runs (A B, B A, ...)."""
+    fixed = _with(args, fix.get("args", {}))
+    apply = fix.get("apply")
+    a, b = [], []
+    for i in range(pairs):
+        order = [("a", args, None), ("b", fixed, apply)]
+        for side, argv, settings in (order if i % 2 == 0 else order[::-1]):
+            ms = _measure(cwd, script, argv, settings, warmup, steps)
+            (a if side == "a" else b).append(ms)
+    a = [x for x in a if x is not None]
+    b = [x for x in b if x is not None]
+    if not a or not b:
+        return {"error": "a plain run measured nothing", "without": a, "with": b}
+    return {"without_ms": statistics.fmean(a), "with_ms": statistics.fmean(b),
+            "gain_ms": statistics.fmean(a) - statistics.fmean(b), "without": a, "with": b,
+            "fix": fix}
+
+
+def run_case(name: str, device: str, pairs: int, verify: bool) -> dict:
+    folder, script, cpu_args, cuda_args, fixes = CASES[name]
+    cwd = os.path.join(DEST, folder)
+    args = cuda_args if device == "cuda" else cpu_args
+    res = {"script": f"{folder}/{script}", "args": args}
+    quick = _doctor(cwd, script, args, "--quick", "--no-verify")
+    full = _doctor(cwd, script, args, *(["--verify"] if verify else ["--no-verify"]))
+    keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
+            "periodic", "boundary", "warmup_steps", "seconds", "verify", "error", "notes")
+    res["quick"] = {k: quick.get(k) for k in keep}
+    res["default"] = {k: full.get(k) for k in keep}
+    res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",
+                                                         "wins_ms", "verified")}
+                                  for f in full.get("findings", [])]
+    res["same_verdict"] = quick.get("verdict") == full.get("verdict")
+    top = full["findings"][0] if full.get("findings") else None
+    if top is not None and top["kind"] in fixes:
+        hand = _hand_fix(cwd, script, args, fixes[top["kind"]], full.get("warmup_steps") or 3,
+                         20, pairs)
+        res["hand_fix"] = hand
+        if "gain_ms" in hand and top.get("predicted_ms") is not None:
+            # The prediction is on the observed step; put it on the unobserved one.
+            scale = (full["plain_step_ms"] / full["step_ms"]) if full.get("plain_step_ms") and \
+                full.get("step_ms") else 1.0
+            predicted_gain = (full["step_ms"] - top["predicted_ms"]) * scale
+            res["predicted_gain_ms"] = predicted_gain
+            res["measured_gain_ms"] = hand["gain_ms"]
+            res["gain_error"] = (abs(predicted_gain - hand["gain_ms"]) / abs(hand["gain_ms"])
+                                 if hand["gain_ms"] else None)
+            res["verdict_right"] = hand["gain_ms"] >= 0.05 * hand["without_ms"]
+    elif top is None:
+        res["verdict_right"] = None                # nothing prescribed: no fix to time
+    return res
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare")
+    pp.add_argument("--mirror", default="/work/.mirror")
+    pp.add_argument("--data-only", action="store_true",
+                    help="only the synthetic data (the sources are already in place)")
+    pr = sub.add_parser("run")
+    pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    pr.add_argument("--only", default="", help="comma-separated case names")
+    pr.add_argument("--pairs", type=int, default=2)
+    pr.add_argument("--verify", action="store_true", help="the default runs with --verify")
+    pr.add_argument("--budget-s", type=float, default=1e9,
+                    help="start no new script after this many seconds")
+    pr.add_argument("--out", default=None)
+    ns = p.parse_args(argv)
+    if ns.cmd == "prepare":
+        prepare(ns.mirror, data_only=ns.data_only)
+        return 0
+    names = [n for n in ns.only.split(",") if n] or list(CASES)
+    out = ns.out or os.path.join(HERE, "results", f"doctor_public_{ns.device}.json")
+    started = time.perf_counter()
+    import torch
+    results = {"command": " ".join(sys.argv), "device": ns.device, "torch": torch.__version__,
+               "cases": {}}
+    for name in names:
+        if time.perf_counter() - started > ns.budget_s:
+            results["cases"][name] = {"skipped": "budget"}
+            continue
+        t = time.perf_counter()
+        try:
+            results["cases"][name] = run_case(name, ns.device, ns.pairs, ns.verify)
+        except Exception as e:                     # one script's failure is its result
+            results["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
+        results["cases"][name]["case_seconds"] = time.perf_counter() - t
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        c = results["cases"][name]
+        print(f"{name}: default {c.get('default', {}).get('verdict')}, quick "
+              f"{c.get('quick', {}).get('verdict')}, predicted gain "
+              f"{c.get('predicted_gain_ms')}, measured {c.get('measured_gain_ms')} "
+              f"({c['case_seconds']:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""--verify: each fix that is a setting, applied from outside the script and measured.
+
+A fix is measured in fresh runs of the script (`python -m syncless doctor --measure`), each timing
+its steps unobserved after an honest warm-up (past the loader's prefetch, past compiles), with the
+setting applied from outside the code:
+
+  loader    DataLoader.__init__'s arguments replaced (num_workers, pin_memory,
+            persistent_workers, prefetch_factor) for every DataLoader the script makes
+  compile   the outermost model compiled in place (nn.Module.compile) at its first call
+  tf32      TF32 matmuls and convolutions (torch.backends ... allow_tf32 = True)
+
+Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike); the
+fix is kept only when the 95% interval of its paired difference lies below zero. The worker count
+comes from a sweep: each candidate count timed once, the fastest then verified in pairs."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from time import perf_counter
+from typing import Any
+
+__all__ = ["apply", "ci95", "Verifier"]
+
+ENV = "SYNCLESS_DOCTOR_APPLY"
+# Student's t, two-sided 95%, by degrees of freedom.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}
+
+
+def ci95(diffs: list) -> tuple[float, float, float]:
+    """Mean and 95% interval of paired differences (t distribution)."""
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    if n < 2:
+        return mean, -math.inf, math.inf
+    half = _T95.get(n - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+# ---- in the measured run: the settings, applied from outside the code ---------------------------
+
+def apply(settings: dict):
+    """Apply `settings` (what --apply carries) to this process before the script runs; returns
+    the function that undoes it."""
+    import torch
+    undo = []
+    loader = settings.get("loader")
+    if loader:
+        undo.append(_patch_dataloader(loader))
+    if settings.get("tf32"):
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+        def tf32_off():
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        undo.append(tf32_off)
+    mode = settings.get("compile")
+    if mode:
+        undo.append(_compile_first_model(mode))
+    return lambda: [u() for u in reversed(undo)]
+
+
+def _patch_dataloader(overrides: dict):
+    from torch.utils.data import DataLoader
+    original = DataLoader.__init__
+    signature = inspect.signature(original)
+
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        workers = overrides.get("num_workers", bound.arguments.get("num_workers", 0))
+        for key, value in overrides.items():
+            if key in ("prefetch_factor", "persistent_workers") and not workers:
+                continue                    # only valid with workers
+            bound.arguments[key] = value
+        original(*bound.args, **bound.kwargs)
+
+    DataLoader.__init__ = init
+
+    def restore():
+        DataLoader.__init__ = original
+    return restore
+
+
+def _compile_first_model(mode: str) -> None:
+    import torch
+    call = torch.nn.Module.__call__
+
+    def first_call(module, *args, **kwargs):
+        torch.nn.Module.__call__ = call
+        module.compile(mode=None if mode == "default" else mode)
+        return call(module, *args, **kwargs)
+
+    torch.nn.Module.__call__ = first_call
+
+    def restore():
+        if torch.nn.Module.__call__ is first_call:
+            torch.nn.Module.__call__ = call
+    return restore
+
+
+# ---- in the doctor: run, pair, decide ------------------------------------------------------------
+
+class Verifier:
+    """Fresh measured runs of `script args`, each `warmup` + `steps` unobserved steps."""
+
+    def __init__(self, script: str, args: list, warmup: int, steps: int, pairs: int = 3,
+                 timeout_s: float = 600.0, cwd: str | None = None):
+        self.script, self.args = script, args
+        self.warmup, self.steps, self.pairs = warmup, steps, pairs
+        self.timeout_s = timeout_s
+        self.cwd = cwd or os.getcwd()
+        self.runs = 0
+        self.seconds = 0.0
+
+    def measure(self, settings: dict) -> float | None:
+        """One run's steady step (ms) with `settings` applied; None if it measured nothing."""
+        with tempfile.TemporaryDirectory(prefix="syncless-verify-") as tmp:
+            out = os.path.join(tmp, "m.json")
+            cmd = [sys.executable, "-m", "syncless", "doctor", "--measure", out,
+                   "--apply", json.dumps(settings), "--warmup", str(self.warmup),
+                   "--plain-steps", str(self.steps), self.script, *self.args]
+            t = perf_counter()
+            try:
+                subprocess.run(cmd, cwd=self.cwd, timeout=self.timeout_s, env=dict(os.environ),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except subprocess.TimeoutExpired:
+                return None
+            finally:
+                self.runs += 1
+                self.seconds += perf_counter() - t
+            try:
+                with open(out) as f:
+                    return json.load(f).get("plain_step_ms")
+            except (OSError, ValueError):
+                return None
+
+    def paired(self, settings: dict, base: dict | None = None) -> dict | None:
+        """`pairs` interleaved pairs (A B, B A, ...) of the baseline and `settings`: the step with
+        the fix, the 95% interval of the difference added to the baseline's mean, kept when the
+        whole interval is a gain."""
+        base = base or {}
+        a_ms, b_ms = [], []
+        for i in range(self.pairs):
+            order = [(base, a_ms), (settings, b_ms)]
+            for s, into in (order if i % 2 == 0 else order[::-1]):
+                ms = self.measure(s)
+                if ms is None:
+                    return None
+                into.append(ms)
+        mean, low, high = ci95([b - a for a, b in zip(a_ms, b_ms)])
+        a = statistics.fmean(a_ms)
+        return {"measured_ms": a + mean, "ci_low_ms": a + low, "ci_high_ms": a + high,
+                "baseline_ms": a, "kept": high < 0, "runs": {"without": a_ms, "with": b_ms}}
+
+    def sweep_workers(self, candidates: list, extra: dict) -> tuple[int | None, dict]:
+        """Each worker count once (with `extra` loader settings); the fastest and all readings."""
+        seen = {}
+        for k in candidates:
+            ms = self.measure({"loader": {"num_workers": k, **(extra if k else {})}})
+            if ms is not None:
+                seen[k] = ms
+        best = min(seen, key=seen.get) if seen else None
+        return best, seen
+
+
+def worker_candidates(current: int, needed: int | None, cpus: int) -> list:
+    """Worker counts to sweep: powers of two up to the CPUs (and the count the model asks for),
+    the current count first."""
+    top = max(cpus, needed or 0, 1)
+    ks = {current, 1, 2, 4, 8, 16, 32, needed or 1, cpus}
+    return sorted(k for k in ks if 0 <= k <= min(top, 64))
+
+
+def setting_fixes(d: Any) -> list:
+    """(finding, label, settings) for each fix --verify can apply from outside the code."""
+    out = []
+    for f in d.findings:
+        if f.kind == "starvation":
+            out.append((f, "loader", None))          # settings chosen by the sweep
+        elif f.kind == "launch-bound":
+            out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"}))
+    if d.gpu and d.verdict_kind == "GPU-bound" and any("TF32" in s or "tf32" in s
+                                                      for s in d.speedups):
+        out.append((None, "TF32", {"tf32": True}))
+    return out
+
+
+def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
+    """Measure each setting fix of diagnosis `d`; set each finding's `verified`; returns lines
+    for the report."""
+    lines = []
+    fixes = setting_fixes(d)
+    for finding, label, settings in fixes:
+        if label == "loader":
+            current = loader.get("num_workers") or 0
+            extra = {"persistent_workers": True}
+            if d.gpu:
+                extra["pin_memory"] = True
+            ks = worker_candidates(current, finding.extra.get("workers_needed"), cpus)
+            best, seen = verifier.sweep_workers(ks, extra)
+            sweep = ", ".join(f"{k}: {ms:.2f}" for k, ms in sorted(seen.items()))
+            if best is None or best == current:
+                finding.verified = {"measured_ms": seen.get(current), "ci_low_ms": None,
+                                    "ci_high_ms": None, "kept": False, "sweep": seen}
+                lines.append(f"{finding.title}: the sweep (num_workers: ms/step) {sweep} found "
+                             f"no count faster than the current {current}: no loader fix kept")
+                continue
+            settings = {"loader": {"num_workers": best, **extra}}
+            label = f"num_workers={best}" + "".join(f", {k}={v}" for k, v in extra.items())
+            result = verifier.paired(settings)
+            if result is not None:
+                result["sweep"] = seen
+        else:
+            result = verifier.paired(settings)
+        if finding is not None:
+            finding.verified = result
+        if result is None:
+            lines.append(f"{label}: not measured (a run failed or timed out)")
+            continue
+        predicted = finding.predicted_ms if finding is not None else None
+        lines.append(
+            f"{label}: {result['baseline_ms']:.2f} -> {result['measured_ms']:.2f} ms/step "
+            f"[95%: {result['ci_low_ms']:.2f}, {result['ci_high_ms']:.2f}]"
+            + (f", predicted {predicted:.2f}" if predicted is not None else "")
+            + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
+            + (f"; sweep {sweep}" if label.startswith("num_workers") else ""))
+    checked = {id(f) for f, _, _ in fixes}
+    for f in d.findings:
+        if id(f) not in checked:
+            lines.append(f"{f.title}: a change in the code, not applied from outside: its "
+                         "prediction stands, unmeasured")
+    return lines
