@@ -1,5 +1,5 @@
 """The file sinks (CSV, JSONL) under what a long run meets: thousands of metric names, names that
-are not valid Unicode, symlinks, a full disk; and the `python -m syncless` command line. Files are
+are not valid Unicode, symlinks, a full disk. Files are
 read back with the csv and json modules, as a user would."""
 import csv
 import io
@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import syncless
-from syncless import __main__ as cli
 from syncless.sinks import CSV, JSONL, Callback
 
 
@@ -233,27 +232,3 @@ def test_jsonl_appends_by_default(tmp_path):
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == \
         [0.0, 0.5, 1.0, 1.5]
 
-
-# ---- python -m syncless ----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_cli_help_lists_the_commands(flag, capsys):
-    assert cli.main([flag]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m syncless <command>")
-    assert "\n  doctor [options] script.py" in out and "\n  demo [--steps N]" in out
-
-
-def test_cli_unknown_or_missing_command_exits_2_with_the_list(capsys):
-    assert cli.main(["doctr"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown command 'doctr' (choose doctor or demo)" in err and "\n  demo " in err
-    assert cli.main([]) == 2
-    assert "commands:\n  doctor" in capsys.readouterr().err
-
-
-def test_python_dash_m_syncless_help_exits_0():
-    r = subprocess.run([sys.executable, "-m", "syncless", "--help"], capture_output=True,
-                       text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0 and "commands:" in r.stdout and r.stderr == ""

@@ -428,9 +428,16 @@ def _step_at(text: str) -> tuple[str, int]:
 QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m syncless doctor", description=__doc__,
+def parse_args(argv: list[str] | None,
+               prog: str = "python -m syncless doctor") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return checked(p, p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The doctor's options (`syncless doctor` is a subcommand built from them)."""
     p.add_argument("--warmup", type=_count(0), default=None, metavar="N",
                    help="unmeasured first steps (default 3)")
     p.add_argument("--steps", type=_count(1), default=None, metavar="N",
@@ -449,8 +456,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fewer steps: --warmup 2 --steps 15 --audit-steps 5 --trace-steps 4")
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("script", help="the training script, run as __main__")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    ns = p.parse_args(argv)
+    # Optional (argparse calls every REMAINDER positional required, and says so when the script
+    # is missing: "required: script, args").
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments").required = False
+
+
+def checked(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
+    """The defaults --quick changes, and the paths checked before the script starts."""
     defaults = QUICK if ns.quick else {"warmup": 3, "steps": 30, "probe_steps": 3,
                                        "audit_steps": 10, "trace_steps": 3}
     for key, value in defaults.items():
@@ -467,7 +480,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run the script of parsed arguments through the phases and print the report."""
     session = ScriptSession(ns.warmup, ns.steps, ns.probe_steps, ns.audit_steps, ns.trace,
                             ns.trace_steps, ns.step_at)
     exit_, error = None, None
