@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/syncless-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "running pip as the 'root'" | tail -3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -m pytest ${TESTS:-tests} -m cuda -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
+python3 -m pytest ${TESTS:-tests} -m cuda --run-slow -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
 RES=/tmp/syncless-results
 mkdir -p "$RES"
 for b in $BENCH; do
