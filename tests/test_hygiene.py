@@ -1,4 +1,5 @@
-"""C hygiene: no leaks over 10^5 calls (10^6 in the slow suite), re-import of the multi-phase-init module, clean import."""
+"""C hygiene: no leaks over 10^5 calls (10^6 in the slow suite), re-import of the multi-phase-init
+module, clean import."""
 import json
 import os
 import subprocess
@@ -56,36 +57,11 @@ def test_repeated_calls_leak_neither_objects_nor_memory(dev, calls):
         assert max(rss) - min(rss) < 8 * 1024, checkpoints          # < 8 MiB drift
 
 
-FRESH = """
-import importlib, json, sys
-import torch, syncless
-out = {"cuda_initialised": torch.cuda.is_initialized()}
-a = sys.modules["syncless._C"]
-del sys.modules["syncless._C"]
-b = importlib.import_module("syncless._C")
-out["a_new_module"] = a is not b and a.Ring is not b.Ring
-log = syncless.Logger(every=2)
-log(x=torch.tensor(3.0)); log(x=4.0)
-log.close()
-out["delivered"] = log.stats.delivered
-print(json.dumps(out))
-"""
+def test_import_never_initialises_cuda(fresh_interpreter):
+    assert fresh_interpreter["cuda_initialised"] is False
 
 
-@pytest.fixture(scope="module")
-def fresh():
-    """One fresh interpreter for the import checks (each start imports torch: seconds)."""
-    out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
-
-
-def test_import_never_initialises_cuda(fresh):
-    assert fresh["cuda_initialised"] is False
-
-
-def test_the_extension_reimports_cleanly(fresh):
+def test_the_extension_reimports_cleanly(fresh_interpreter):
     # Multi-phase init: a second module object with its own types, and a logger still works.
-    assert fresh["a_new_module"] is True
-    assert fresh["delivered"] == 2
+    assert fresh_interpreter["a_new_module"] is True
+    assert fresh_interpreter["delivered"] == 2
