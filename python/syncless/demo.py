@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"syncless demo: {args.steps} steps of a 3-layer MLP on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    train(20, device, lambda step, metrics: None)        # warm-up: kernels, allocator, JIT
+    # Warm-up (kernels, allocator, JIT): as long as a run, up to 20 steps.
+    train(min(20, args.steps), device, lambda step, metrics: None)
     syncs = {"naive": count_syncs(device, naive_factory),
              "syncless": count_syncs(device, syncless_factory)}
     # Two interleaved rounds, best of each: the first run of a process pays warm-up costs.
