@@ -511,7 +511,6 @@ def _tb_rank_worker(rank, world, tmp):
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_tensorboard_writer_on_every_rank_writes_its_own(tmp_path):
     """Under torch.distributed each rank's writer is its own: rank 1 writes too (the private
     logger must not keep its sinks to rank 0)."""

@@ -344,7 +344,6 @@ def test_cli_runs_a_script(tmp_path):
     assert "note:" not in r.stdout, "every phase ran: nothing to note"
 
 
-@pytest.mark.slow
 def test_cli_trace_writes_the_traced_steps(tmp_path):
     r = run_cli(tmp_path, CPU_LOOP, "--steps", "2", "--warmup", "1", "--audit-steps", "1",
                 "--trace", "out.json", "--trace-steps", "3")

@@ -461,7 +461,6 @@ def test_wandb_report_to(tmp_path, monkeypatch):
     assert histories[1] == native
 
 
-@pytest.mark.slow
 def test_resume_from_checkpoint_and_train_twice(tmp_path):
     kw = dict(save_strategy="steps", save_steps=4, include_num_input_tokens_seen="non_padding")
     runs = []
