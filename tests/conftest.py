@@ -1,8 +1,11 @@
 """Shared test setup: the device parametrisation, the `cuda` marker, and a guard that fails any
 test leaving global state behind (sync-debug mode, a live logger) or puts back what a library
-changed (the SIGINT handler)."""
+changed (the SIGINT handler); and one fresh interpreter that the import and exit checks share."""
 import gc
+import json
 import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -50,8 +53,46 @@ def no_leftover_state(request):
         torch.cuda.set_sync_debug_mode(0)
         assert mode == 0, "test left torch.cuda sync-debug mode on"
     from syncless.logger import _live
-    gc.collect()
+    if any(not log.closed for log in _live):
+        # A full collection costs ~0.5 s once lightning and transformers are imported: only when
+        # a logger is still open (one that is garbage in a cycle is collected, not reported).
+        gc.collect()
     open_loggers = [log for log in _live if not log.closed]
     for log in open_loggers:
         log.close()
     assert not open_loggers, f"test left loggers open: {open_loggers}"
+
+
+FRESH = """
+import importlib, json, sys
+import torch, syncless
+out = {"cuda_initialised": torch.cuda.is_initialized(),
+       "dynamo_loaded": "torch._dynamo" in sys.modules}
+a = sys.modules["syncless._C"]
+del sys.modules["syncless._C"]
+b = importlib.import_module("syncless._C")
+out["a_new_module"] = a is not b and a.Ring is not b.Ring
+log = syncless.Logger(every=2)
+log(x=torch.tensor(3.0)); log(x=4.0)
+log.close()
+out["delivered"] = log.stats.delivered
+print(json.dumps(out), flush=True)
+# Left open: interpreter exit must deliver its 25 rows.
+unclosed = syncless.Logger(every=1000, sinks=[syncless.sinks.JSONL(sys.argv[1])])
+for i in range(25):
+    unclosed(x=torch.tensor(float(i)))
+"""
+
+
+@pytest.fixture(scope="session")
+def fresh_interpreter(tmp_path_factory):
+    """What one new interpreter saw: right after `import syncless` (CUDA initialised? dynamo
+    loaded?), after re-importing the extension, and (`rows_at_exit`) the JSONL rows that a
+    logger left open was drained to at exit. One start for all: each imports torch (seconds)."""
+    path = tmp_path_factory.mktemp("fresh") / "m.jsonl"
+    out = subprocess.run([sys.executable, "-c", FRESH, str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout.splitlines()[-1])
+    facts["rows_at_exit"] = [json.loads(line) for line in path.read_text().splitlines()]
+    return facts

@@ -1,6 +1,6 @@
-"""The benchmark harness: its statistics and report helpers (CPU), a fast end-to-end run of the
-suite's plumbing and of the two-build comparison (CPU), and the `--quick` smoke test of every
-section on a GPU."""
+"""The benchmark harness: its statistics and report helpers (CPU); in the slow suite, end-to-end
+runs of the suite's plumbing, the two-build comparison, flush_profile and compile_user (CPU); and
+the `--quick` smoke test of every section on a GPU."""
 import json
 import math
 import os
@@ -138,6 +138,7 @@ def test_ab_rows_pair_builds_by_round_and_subtract_the_bare_loop():
     assert "raw_pair (baseline: gone)" in text
 
 
+@pytest.mark.slow                  # benchmark scripts end to end: 30-80 s each
 def test_percall_compares_two_builds_on_cpu(tmp_path):
     """The same tree as both builds: the harness logic end to end (workers, alternation, the
     import check), not a speed claim."""
@@ -180,6 +181,7 @@ def _run_suite(tmp_path, *args, timeout):
         return json.load(f), files, proc.stdout
 
 
+@pytest.mark.slow                  # benchmark scripts end to end: 30-80 s each
 def test_cpu_plumbing_writes_json_markdown_and_headline(tmp_path):
     res, files, out = _run_suite(tmp_path, "--quick", "--device", "cpu",
                                  "--only", "timing,launch", timeout=300)
@@ -217,6 +219,7 @@ def test_quick_suite_runs_every_section_on_gpu(tmp_path):
     assert res["elapsed_s"]["total"] < 60
 
 
+@pytest.mark.slow                  # benchmark scripts end to end: 30-80 s each
 def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path):
     """benchmarks/flush_profile.py --smoke (CPU, default compile mode): the four variants run,
     every logged row arrives in order (the script asserts it), and the JSON holds each stretch
@@ -235,6 +238,7 @@ def test_flush_profile_smoke_checks_every_row_and_writes_its_stretches(tmp_path)
     assert data["flush_pieces_us"]["flush(wait=False), whole"]["calls"] >= 2
 
 
+@pytest.mark.slow                  # benchmark scripts end to end: 30-80 s each
 def test_compile_user_gpt_logs_from_inside_the_compiled_model_exactly(tmp_path):
     """benchmarks/compile_user.py --quick (CPU inductor): a nanoGPT-style model, compiled, logs
     loss and accuracy inside its forward with no graph break, and every delivered row equals

@@ -20,27 +20,38 @@ def _init(rank, world, store_path, backend):
 
 
 def _gloo_worker(rank, world, tmp):
+    """Both gloo cases in one pair of ranks (each spawn imports torch anew: seconds a rank)."""
     _init(rank, world, os.path.join(tmp, "store"), "gloo")
     try:
-        path = os.path.join(tmp, f"rank{rank}.jsonl")
-        log = syncless.Logger(every=5, sinks=[syncless.sinks.JSONL(path)],
-                              reduce={"loss": "mean", "best": "max", "worst": "min",
-                                      "count": "sum"})
-        for step in range(STEPS):
-            metrics = {"loss": torch.tensor(step + 10.0 * rank),
-                       "best": torch.tensor(float(rank * step)),
-                       "worst": torch.tensor(float(rank - step)),
-                       "count": 1}
-            if step % 4 == 0 and rank == 1:
-                del metrics["loss"]                      # absent on one rank at these steps
-            log.log(metrics)
-        log.close()
+        _reduce_case(rank, tmp)
+        _mismatch_case(rank, tmp)
     finally:
         dist.destroy_process_group()
 
 
-def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(tmp_path):
-    out = spawn_ranks(_gloo_worker, tmp_path)
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory):
+    return spawn_ranks(_gloo_worker, tmp_path_factory.mktemp("gloo"))
+
+
+def _reduce_case(rank, tmp):
+    path = os.path.join(tmp, f"rank{rank}.jsonl")
+    log = syncless.Logger(every=5, sinks=[syncless.sinks.JSONL(path)],
+                          reduce={"loss": "mean", "best": "max", "worst": "min",
+                                  "count": "sum"})
+    for step in range(STEPS):
+        metrics = {"loss": torch.tensor(step + 10.0 * rank),
+                   "best": torch.tensor(float(rank * step)),
+                   "worst": torch.tensor(float(rank - step)),
+                   "count": 1}
+        if step % 4 == 0 and rank == 1:
+            del metrics["loss"]                      # absent on one rank at these steps
+        log.log(metrics)
+    log.close()
+
+
+def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(gloo_run):
+    out = gloo_run
     assert not (out / "rank1.jsonl").exists()             # sinks run on rank 0 only
     rows = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -50,30 +61,26 @@ def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(tmp_path):
             (loss, float(step), float(-step), 2.0), step
 
 
-def _mismatch_worker(rank, world, tmp):
-    _init(rank, world, os.path.join(tmp, "store"), "gloo")
+def _mismatch_case(rank, tmp):
+    log = syncless.Logger(every=3, reduce="mean")
+    message = "no error"
     try:
-        log = syncless.Logger(every=3, reduce="mean")
-        message = "no error"
-        try:
-            for step in range(6):
-                metrics = {"loss": float(step)}
-                if rank == 1:
-                    metrics["extra"] = 1.0
-                log.log(metrics)
-        except ValueError as exc:
-            message = str(exc)
-        with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
-            f.write(message)
-        log.sinks = []
-        log._host_rows = []
-        log.close()
-    finally:
-        dist.destroy_process_group()
+        for step in range(6):
+            metrics = {"loss": float(step)}
+            if rank == 1:
+                metrics["extra"] = 1.0
+            log.log(metrics)
+    except ValueError as exc:
+        message = str(exc)
+    with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
+        f.write(message)
+    log.sinks = []
+    log._host_rows = []
+    log.close()
 
 
-def test_a_rank_with_other_metric_names_gets_a_clear_error_not_a_hang(tmp_path):
-    out = spawn_ranks(_mismatch_worker, tmp_path)
+def test_a_rank_with_other_metric_names_gets_a_clear_error_not_a_hang(gloo_run):
+    out = gloo_run
     for rank in (0, 1):
         text = (out / f"err{rank}.txt").read_text()
         assert "every rank must log the same metric names" in text, text

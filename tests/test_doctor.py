@@ -367,6 +367,7 @@ def test_cli_trace_writes_the_traced_steps(tmp_path):
     (9, "the script ended after 9 steps: the audit ran 2 of 3 steps, the trace did not run"),
     (11, "the script ended after 11 steps: the trace ran 1 of 2 steps"),
 ])
+@pytest.mark.slow
 def test_cli_script_ending_early_gets_the_report_of_what_ran(tmp_path, steps, missed):
     # The first optimizer.step() becomes the boundary (after the model call and backward() that
     # came first), then 1 warm-up + 5 monitored + 3 audited + 2 traced = 11 more steps; the script

@@ -221,6 +221,7 @@ COMPILED = """
     """
 
 
+@pytest.mark.slow
 def test_what_a_step_holds(tmp_path):
     runs = doctor_all(tmp_path, {"accumulation": (ACCUMULATION, FAST), "gan": (GAN, FAST),
                                  "marker": (MARKER, FAST), "compiled": (COMPILED, FAST)})

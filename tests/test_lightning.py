@@ -294,6 +294,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_sync_dist_two_processes(tmp_path):
     """Two gloo ranks, each with its own data: `sync_dist=True` step and epoch values are the
     reduced ones, unsynced ones rank 0's, exactly as in the plain run."""

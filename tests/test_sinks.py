@@ -1,33 +1,25 @@
 """The file sinks (CSV, JSONL) under what a long run meets: thousands of metric names, names that
-are not valid Unicode, symlinks, a full disk; and the `python -m syncless` command line. Files are
-read back with the csv and json modules, as a user would."""
+are not valid Unicode, symlinks, a full disk, a file size limit. Files are read back with the csv
+and json modules, as a user would."""
 import csv
 import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 import syncless
-from syncless import __main__ as cli
 from syncless.sinks import CSV, JSONL, Callback
 
 
 def read_csv(path):
     with open(path, newline="", encoding="utf-8") as f:
         return list(csv.reader(f))
-
-
-def run_python(code, timeout=120):
-    """Run code in a fresh interpreter (a hang or a crash fails the test, not the suite)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 # ---- CSV: new columns cost the rows that bring them, never a rewrite -----------------------------
@@ -156,62 +148,79 @@ def test_a_symlinked_path_writes_its_target(tmp_path):
     assert sorted(os.listdir(tmp_path / "data")) == ["m.csv", "m.jsonl"]
 
 
-# ---- a full disk ---------------------------------------------------------------------------------
+# ---- a full disk, a file size limit --------------------------------------------------------------
 
-def test_full_disk_raises_once_per_window_and_never_hangs():
+# Both in one fresh interpreter (a hang fails the test, not the suite; the size limit is the
+# process's): each part's stderr follows a line naming it.
+WRITE_FAILURES = """
+import os, resource, signal, sys
+import syncless
+from syncless.sinks import CSV, JSONL, Callback
+
+print("== full disk", file=sys.stderr, flush=True)
+rows = []
+log = syncless.Logger(every=10, sinks=[CSV("/dev/full"), JSONL("/dev/full"),
+                                       Callback(lambda s, t, v: rows.append(s))])
+for i in range(30):
+    log(loss=float(i), **{f"new{i // 10}": 1.0})
+log.close()
+print("rows", rows == list(range(30)), "errors", log.stats.sink_errors, flush=True)
+
+print("== size limit", file=sys.stderr, flush=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of a signal
+for sink in (CSV(sys.argv[1]), JSONL(sys.argv[2])):
+    log = syncless.Logger(every=10, sinks=[sink])
+    for i in range(20):
+        log(loss=i / 8, acc=float(i))
+    log.flush()
+    size = os.path.getsize(sink.path)               # the next window would be ~300+ bytes
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, resource.RLIM_INFINITY))
+    for i in range(20, 30):
+        log(loss=i / 8, acc=float(i))
+    log.flush()
+    print("after failure", os.path.getsize(sink.path) == size, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    for i in range(30, 40):
+        log(loss=i / 8, acc=float(i))
+    log.close()
+    print("errors", log.stats.sink_errors, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def write_failures(tmp_path_factory):
+    """{part: (stdout lines, stderr)} of WRITE_FAILURES, and the size-limited files' paths."""
+    folder = tmp_path_factory.mktemp("write_failures")
+    paths = (folder / "m.csv", folder / "m.jsonl")
+    r = subprocess.run([sys.executable, "-c", WRITE_FAILURES, *map(str, paths)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    _, full_err, limit_err = re.split(r"^== (?:full disk|size limit)\n", r.stderr, flags=re.M)
+    return {"full disk": (out[:1], full_err), "size limit": (out[1:], limit_err)}, paths
+
+
+def test_full_disk_raises_once_per_window_and_never_hangs(write_failures):
     """/dev/full: every write fails with ENOSPC. Each sink raises an OSError naming the steps
     (the logger reports it once per sink and counts each), the other sinks get every row, and
     close() returns."""
-    r = run_python("""
-        import syncless
-        from syncless.sinks import CSV, JSONL, Callback
-        rows = []
-        log = syncless.Logger(every=10, sinks=[CSV("/dev/full"), JSONL("/dev/full"),
-                                               Callback(lambda s, t, v: rows.append(s))])
-        for i in range(30):
-            log(loss=float(i), **{f"new{i // 10}": 1.0})
-        log.close()
-        print("rows", rows == list(range(30)), "errors", log.stats.sink_errors)
-    """, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "rows True errors 6" in r.stdout              # 3 windows x 2 sinks
-    reports = [line for line in r.stderr.splitlines() if "No space left on device" in line]
-    assert len(reports) == 2, r.stderr                   # reported once per sink
-    assert "/dev/full: steps 0-9 were not written" in r.stderr
+    out, err = write_failures[0]["full disk"]
+    assert out == ["rows True errors 6"]                  # 3 windows x 2 sinks
+    reports = [line for line in err.splitlines() if "No space left on device" in line]
+    assert len(reports) == 2, err                        # reported once per sink
+    assert "/dev/full: steps 0-9 were not written" in err
 
 
-def test_a_failed_write_leaves_whole_rows_and_the_next_window_goes_on(tmp_path):
+def test_a_failed_write_leaves_whole_rows_and_the_next_window_goes_on(write_failures):
     """A file size limit (RLIMIT_FSIZE, as a full disk would) makes one window's write fail
     part-way: each file is cut back to the rows before it, and once the space is back the next
     windows are written after them."""
-    csv_path, jsonl_path = tmp_path / "m.csv", tmp_path / "m.jsonl"
-    r = run_python(f"""
-        import os, resource, signal
-        import syncless
-        from syncless.sinks import CSV, JSONL
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of a signal
-        for sink in (CSV({str(csv_path)!r}), JSONL({str(jsonl_path)!r})):
-            log = syncless.Logger(every=10, sinks=[sink])
-            for i in range(20):
-                log(loss=i / 8, acc=float(i))
-            log.flush()
-            size = os.path.getsize(sink.path)           # the next window would be ~300+ bytes
-            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 100, resource.RLIM_INFINITY))
-            for i in range(20, 30):
-                log(loss=i / 8, acc=float(i))
-            log.flush()
-            print("after failure", os.path.getsize(sink.path) == size)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
-            for i in range(30, 40):
-                log(loss=i / 8, acc=float(i))
-            log.close()
-            print("errors", log.stats.sink_errors)
-    """, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n") == ["after failure True", "errors 1"] * 2 + [""]
+    (out, err), (csv_path, jsonl_path) = write_failures[0]["size limit"], write_failures[1]
+    assert out == ["after failure True", "errors 1"] * 2
     for path in (csv_path, jsonl_path):
         assert (f"{path}: steps 20-29 were not written (the file keeps every row before them); "
-                "the next window tries again") in r.stderr
+                "the next window tries again") in err
     table = read_csv(csv_path)
     assert table[0] == ["step", "time", "loss", "acc"]
     steps = [*range(20), *range(30, 40)]
@@ -241,27 +250,3 @@ def test_jsonl_appends_by_default(tmp_path):
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == \
         [0.0, 0.5, 1.0, 1.5]
 
-
-# ---- python -m syncless ----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_cli_help_lists_the_commands(flag, capsys):
-    assert cli.main([flag]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: python -m syncless <command>")
-    assert "\n  doctor [options] script.py" in out and "\n  demo [--steps N]" in out
-
-
-def test_cli_unknown_or_missing_command_exits_2_with_the_list(capsys):
-    assert cli.main(["doctr"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown command 'doctr' (choose doctor or demo)" in err and "\n  demo " in err
-    assert cli.main([]) == 2
-    assert "commands:\n  doctor" in capsys.readouterr().err
-
-
-def test_python_dash_m_syncless_help_exits_0():
-    r = subprocess.run([sys.executable, "-m", "syncless", "--help"], capture_output=True,
-                       text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0 and "commands:" in r.stdout and r.stderr == ""

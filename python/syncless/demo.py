@@ -1,9 +1,9 @@
-"""python -m syncless.demo: the same training loop logged two ways.
+"""The demo (`syncless demo`): the same training loop logged two ways.
 
 A small classifier trains for a few hundred steps (on the GPU if there is one) and logs four
 metrics per step: first the usual way (`.item()` on each), then with syncless.Logger. For each it
 prints the host-device syncs per step, the step time, and checks that the logged values are
-identical. Both runs write their metrics to runs/.
+identical. Both runs write their metrics to JSONL files in --out.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import syncless
 
 METRICS = ("loss", "accuracy", "confidence", "grad_norm")
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
 def make_problem(device: torch.device, seed: int = 0):
@@ -117,18 +118,57 @@ def timed(device: torch.device, steps: int, factory, path: str):
     return (time.perf_counter() - t0) / steps * 1e3, record.rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m syncless.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=300 if torch.cuda.is_available() else 100)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default="runs")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+def _steps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (cpu, cuda, cuda:1)") \
+            from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"the demo runs on cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA is not available here (use --device cpu)")
+    return device
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (`syncless demo` is a subcommand built from them)."""
+    gpu = torch.cuda.is_available()
+    parser.add_argument("--steps", type=_steps, default=300 if gpu else 100, metavar="N",
+                        help="training steps of each run (default: 300 with a GPU, 100 "
+                             "without)")
+    parser.add_argument("--device", type=_device, default="cuda" if gpu else "cpu", metavar="D",
+                        help="where the model trains: cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--out", default="runs", metavar="DIR",
+                        help="folder for demo-naive.jsonl and demo-syncless.jsonl, created if "
+                             "missing (default: %(default)s)")
+
+
+def main(argv=None, prog: str = "python -m syncless.demo") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train both ways, print syncs and step time, and check the logged values are the same."""
+    device = args.device
     os.makedirs(args.out, exist_ok=True)
 
     print(f"syncless demo: {args.steps} steps of a 3-layer MLP on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    train(20, device, lambda step, metrics: None)        # warm-up: kernels, allocator, JIT
+    # Warm-up (kernels, allocator, JIT): as long as a run, up to 20 steps.
+    train(min(20, args.steps), device, lambda step, metrics: None)
     syncs = {"naive": count_syncs(device, naive_factory),
              "syncless": count_syncs(device, syncless_factory)}
     # Two interleaved rounds, best of each: the first run of a process pays warm-up costs.

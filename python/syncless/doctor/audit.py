@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._frames import Site, outside_syncless, user_site
-from .report import render_audit
+from .report import ReportText, render_audit
 
 __all__ = ["audit", "Audit", "SyncSite", "SyncError"]
 
@@ -361,8 +361,29 @@ class Audit:
     def blocked_ms_per_step(self) -> float:
         return sum(s.blocked_ns for s in self.sites.values()) / 1e6 / self.step_count
 
-    def report(self) -> str:
-        return render_audit(self)
+    def report(self) -> ReportText:
+        return ReportText(render_audit(self))
+
+    def __repr__(self) -> str:
+        finder = {"cupti": "CUPTI", "torch-sync-debug": "torch sync-debug mode"}.get(
+            self.backend, "no sync finder")
+        if self._active:
+            return f"<syncless.Audit: running ({finder})>"
+        if not self.elapsed_s:
+            return "<syncless.Audit: not run yet (with syncless.audit() as a: ...)>"
+        n = sum(s.count for s in self.sites.values())
+        text = (f"<syncless.Audit: {self.step_count} step(s), {self.syncs_per_step():g} "
+                f"sync(s)/step ({n} at {len(self.sites)} line(s))")
+        if self.backend == "cupti":
+            text += f", {self.blocked_ms_per_step():.3f} ms blocked/step"
+        return f"{text} ({finder})>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        """IPython shows a finished audit as its report; one running or not run yet as repr()."""
+        p.text(repr(self) if cycle or self._active or not self.elapsed_s else self.report())
+
+    def _repr_html_(self) -> str | None:
+        return None if self._active or not self.elapsed_s else self.report()._repr_html_()
 
 
 def audit(fn: Callable[[], Any] | None = None, steps: int | None = None, *,

@@ -734,9 +734,16 @@ VERIFY_BUDGET_S = 120.0   # --verify is on by default when its runs should take 
 DEFAULT = {"warmup": 3, "steps": 30, "probe_steps": 3, "audit_steps": 10, "trace_steps": 3}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m syncless doctor", description=__doc__,
+def parse_args(argv: list[str] | None,
+               prog: str = "python -m syncless doctor") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return checked(p, p.parse_args(argv))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The doctor's options (`syncless doctor` is a subcommand built from them)."""
     p.add_argument("--warmup", type=_count(0), default=None, metavar="N",
                    help="unmeasured first steps (default 3; more while the loader still serves "
                         "its initial prefetch or a step is still a warm-up's)")
@@ -769,8 +776,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--measure", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--apply", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("script", help="the training script, run as __main__")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    ns = p.parse_args(argv)
+    # Optional (argparse calls every REMAINDER positional required, and says so when the script
+    # is missing: "required: script, args").
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the script's own arguments").required = False
+
+
+def checked(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
+    """The defaults --quick changes, and the paths checked before the script starts."""
     defaults = QUICK if ns.quick else DEFAULT
     for key, value in defaults.items():
         if getattr(ns, key) is None:
@@ -829,7 +842,11 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run the script of parsed arguments through the phases and print the report."""
     if ns.measure:
         return _measure(ns)
     started, cwd = perf_counter(), os.getcwd()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import math
 import contextlib
-import html
 import json
 import os
 import statistics
@@ -38,12 +37,12 @@ from .audit import ASYNC_COPY, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
 from .monitor import MonitorSummary, StepMonitor
-from .report import render_doctor
+from .report import ReportText, render_doctor
 
 __all__ = ["doctor", "Diagnosis", "assess", "QueueProbe", "timed_dataloaders"]
 
 
-@dataclass
+@dataclass(repr=False)
 class Diagnosis:
     summary: MonitorSummary
     audit: Audit
@@ -91,15 +90,32 @@ class Diagnosis:
     verify_lines: list = field(default_factory=list)   # --verify's measurements, for the report
     verify_runs: tuple = (0, 0.0)                      # (runs, seconds) --verify took
     _sampled: Any = None               # the sampler's counts by (file, line, via)
+    _printed: bool = field(default=False, compare=False)   # doctor() printed the report
 
-    def report(self) -> str:
-        return render_doctor(self)
+    def report(self) -> ReportText:
+        return ReportText(render_doctor(self))
 
     def __str__(self) -> str:
         return self.report()
 
-    def _repr_html_(self) -> str:
-        return "<pre style='font-family:monospace'>" + html.escape(self.report()) + "</pre>"
+    def __repr__(self) -> str:
+        text = (f"<syncless.Diagnosis: {self.verdict_kind or 'no verdict'}, "
+                f"{self.step_ms:.3f} ms/step over {self.summary.steps} step(s)")
+        if self.findings:
+            top = self.findings[0]
+            text += (f"; {len(self.findings)} finding(s), the first: {top.title} (wins back "
+                     f"{top.cost_ms:.3f} ms/step)")
+        else:
+            text += "; no finding"
+        return text + "; print() it for the report>"
+
+    # A notebook shows the report once: doctor() printed it already, so the result it returns
+    # then shows as its one-line repr; one made with file=None shows as the report.
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self) if cycle or self._printed else self.report())
+
+    def _repr_html_(self) -> str | None:
+        return None if self._printed else self.report()._repr_html_()
 
     def finding(self, kind: str) -> Finding | None:
         return next((f for f in self.findings + self.minor if f.kind == kind), None)
@@ -746,4 +762,5 @@ def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable 
     d.trace = traced
     if file is not None:
         print(d.report(), file=sys.stdout if file == "stdout" else file)
+        d._printed = True
     return d

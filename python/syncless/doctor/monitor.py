@@ -37,7 +37,7 @@ import torch
 from ._gpuclock import GpuClock, gpu_clock
 from ._loader import loader_settings
 from .findings import is_minor, starvation_finding
-from .report import render_watch, watch_html
+from .report import ReportText, render_watch, watch_html
 
 __all__ = ["StepMonitor", "watch", "Watch", "MonitorSummary"]
 
@@ -339,9 +339,9 @@ class Watch:
     def summary(self, skip: int = 0) -> MonitorSummary:
         return self.monitor.summary(skip)
 
-    def report(self) -> str:
+    def report(self) -> ReportText:
         """What the monitor measured so far and the loader fix it implies (no GPU wait)."""
-        return render_watch(self)
+        return ReportText(render_watch(self))
 
     __str__ = report
 

@@ -237,3 +237,14 @@ def watch_html(w: Any) -> str:
     return (f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)</p>"
             f"<table><tr><th></th><th>ms/step</th><th>share</th></tr>{cells}</table>"
             + "".join(f"<p>{html.escape(line)}</p>" for line in advice))
+
+
+class ReportText(str):
+    """A report: a str, which a notebook shows as the text it is (not as a quoted string with
+    its newlines escaped)."""
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return "<pre style='font-family:monospace'>" + html.escape(self) + "</pre>"
