@@ -393,7 +393,9 @@ def test_direct_run_log_calls_keep_every_row_in_step_order(device, wandb_env, tm
     import wandb
     import syncless.wandb as swandb
     v, _ = device_values(device)
-    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=4, max_delay=None,
+    # every=8: the first window is due after the direct call below, so the run has seen
+    # nothing when it is checked (with every=4 a GPU's copy could land before the check).
+    run = swandb.init(project="syncless-test", dir=str(tmp_path), every=8, max_delay=None,
                       settings=wandb.Settings(**WANDB_SETTINGS))
     try:
         with no_syncs(device):
@@ -488,6 +490,7 @@ def bad_inputs(device):
     meta = torch.empty((), device="meta")
     steps = torch.tensor([1, 2], device=device)
     half = torch.tensor(1.5, device=device)
+    cplx = torch.tensor(1j, device=device)
     wide_tb = {**{f"k{i}": float(i) for i in range(300)}, "k150": meta}
     wide_wb = {**{f"k{i}": torch.tensor(float(i), device=device) for i in range(300)},
                "k150": meta}
@@ -496,7 +499,7 @@ def bad_inputs(device):
          ValueError, r"tag 'bad\\udc80' is not valid UTF-8 text",
          r"key 'bad\\udc80' is not valid UTF-8 text \(surrogates not allowed"),
         # torch's writer takes int() of a float step tensor; a complex one is its RuntimeError
-        (lambda w: w.add_scalar("loss", 1.0, torch.tensor(1j, device=device)),
+        (lambda w: w.add_scalar("loss", 1.0, cplx),
          lambda wb: wb.log({"loss": 1.0}, step=half), (RuntimeError, TypeError),
          r"^global_step: a torch.complex64 tensor cannot be converted to int64$",
          r"^step must be an integer tensor, got torch.float32$"),

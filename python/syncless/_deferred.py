@@ -181,7 +181,7 @@ class Deferred:
                 raise RuntimeError(f"{self.failures.source}: called during CUDA graph capture; "
                                    "log inside graphs with syncless.Logger instead")
             log = self._logger
-            if log is None:
+            if log is None or log.closed:     # (closed: by the exit hook, or a test's cleanup)
                 # sinks_on="all": on every rank of a distributed job, each writer writes its own.
                 # threads=True: callers may put() from any thread (serialised by our lock).
                 log = self._logger = Logger(every=self.every, sinks=[_Rows(self._deliver)],

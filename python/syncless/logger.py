@@ -210,6 +210,9 @@ class Logger:
         self._last_step = -1
         self._calls = 0
         self._since_flush = 0
+        # _calls at the last copy of the ring: a handler's flush()/close() that lands between a
+        # gather and the `_since_flush` count after it must still copy that row.
+        self._copied_calls = 0
         self._flush_due = False
         self._closed = False                  # log() refuses from here on
         self._finished = False                # close() ran to its end
@@ -511,7 +514,8 @@ class Logger:
         if self._gen is None:
             self._hand_over_host_rows()
             return
-        if self._since_flush == 0 and not self._gen.captured:
+        if self._since_flush == 0 and self._calls == self._copied_calls \
+                and not self._gen.captured:
             return
         gen = self._gen
         ring = gen.ring
@@ -535,6 +539,7 @@ class Logger:
             ticket = self._pool.taken + 1
             self._delivery.submit_window(gen, w, time.time(), ticket)
             self._since_flush = 0                # the counts: plain assignments (see above)
+            self._copied_calls = self._calls
             self._windows += 1
             self._pool.taken = ticket
             self._copying = None
@@ -559,6 +564,7 @@ class Logger:
         self._delivery.submit_rows(rows, n, out, ticket)
         self._host_rows = []                 # the counts: plain assignments (see above)
         self._since_flush = 0
+        self._copied_calls = self._calls
         self._windows += 1
         self._pool.taken = ticket
         if self._delivery.caller:
