@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -59,20 +60,15 @@ SOURCES = {
 # Tests that cannot pass with syncless by design, and why (none known so far), and tests that
 # fail with it for a known cause not fixed yet (reported with the cause, not hidden).
 BY_DESIGN: dict[str, str] = {}
-KNOWN: dict[str, str] = {
-    "tests_pytorch.trainer.logging_.test_eval_loop_logging::"
-    "test_validation_step_log_with_tensorboard":
-        "syncless.lightning wraps each logger's log_metrics as (metrics, step=None) and calls "
-        "the original with keywords: TensorBoardLogger's own positional "
-        "log_metrics({'hp_metric': -1}, None) (from log_hyperparams at fit start) reaches the "
-        "mocked method as call(metrics=..., step=None) (issue 28 item 5; lightning.py)",
-    "tests.trainer.test_trainer_callback.TrainerCallbackTest::test_event_flow":
-        "SynclessTrainer calls log() (so on_log) of logging step N when its row arrives, "
-        "during step N+1, so that step N never waits for the GPU; the test expects on_log "
-        "right after step N's on_step_end, before step N+1's on_step_begin (first difference: "
-        "event 23, logging_steps=5). It passes with syncless_log_at_step=True (one wait per "
-        "logging step; see that row) (hf.py)",
-}
+KNOWN: dict[str, str] = {}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 # ---- the plugin side (inside the pytest process) -----------------------------------------------
@@ -271,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                     summaries[-1 - len(VARIANTS.get(suite, [])):]), flush=True)
     text = "\n\n".join([
         "# Peers' tests with syncless injected",
+        f"Provenance: commit {_commit()}, {time.strftime('%Y-%m-%d')}, {platform.node() or 'host'} "
+        f"({os.cpu_count()} CPUs, {platform.python_version()}).",
         "Command: `python -m benchmarks.peers --src .peers --out` (upstream tests run without "
         "and with syncless; a test is *lost* when it passes without and not with; *syncless "
         "objects made*: the injected writers, callbacks or trainers the tests created).",
