@@ -529,3 +529,34 @@ def test_the_csv_deleted_while_its_parts_live_names_where_the_rest_is(tmp_path, 
            f"parts cannot be merged; the rows written to {tmp_path / 'm.csv'} went with it; the " \
            f"others are in {part} (each a complete CSV)" in msg
     assert table(part) == (["step", "time", "a", "b"], [(1, {"b": 2.0}), (2, {"b": 3.0})])
+
+
+@pytest.mark.parametrize("when", ["before_the_rename", "after_the_rename"])
+def test_a_csv_close_interrupted_in_its_merge_is_finished_by_the_next(tmp_path, monkeypatch,
+                                                                      when):
+    """A Ctrl-C that lands in CSV.close()'s merge of its parts (a second Ctrl-C during a
+    Logger's close()): the close() called again merges what is left, every row once."""
+    from syncless import sinks as sinks_module
+    from syncless.logger import Row
+    path = tmp_path / "m.csv"
+    sink = CSV(path)
+    for step in range(8):                 # a new column every 2 steps: parts
+        sink.write([Row(step, 1.0, {"loss": step / 2, f"m{step // 2}": float(step)})])
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 1 and when == "before_the_rename":
+            raise KeyboardInterrupt
+        real(src, dst)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sinks_module.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        sink.close()
+    sink.close()
+    header, rows = table(path)
+    assert header == ["step", "time", "loss"] + [f"m{k}" for k in range(4)]
+    assert rows == [(s, {"loss": s / 2, f"m{s // 2}": float(s)}) for s in range(8)]
+    assert sorted(os.listdir(tmp_path)) == ["m.csv"]          # parts and their folder gone

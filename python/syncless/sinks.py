@@ -328,6 +328,7 @@ class CSV(_FileSink):
         self._parts: list[tuple[str, int, int]] = []   # (path, columns, header bytes)
         self._header: int | None = None                # columns in the current header on disk
         self._folder: str | None = None                # the folder of parts, once there is one
+        self._merged: list = []                        # parts merged into path, to remove
 
     @property
     def files(self) -> list[str]:
@@ -406,6 +407,9 @@ class CSV(_FileSink):
 
     def close(self) -> None:
         if self._closed:
+            if len(self._parts) > 1:
+                self._merge()                # a close() cut short in its merge: finish it
+            self._remove_merged()
             return
         try:
             if self._inherited:
@@ -461,7 +465,17 @@ class CSV(_FileSink):
                         if rest:                                   # never: rows end in \r\n
                             out.write(rest + pad)
             shutil.copymode(target, tmp)
-            os.replace(tmp, target)
+            # The parts are forgotten as the merged file takes path's place, whatever lands
+            # between (a Ctrl-C): a close() called again then merges once, never twice.
+            parts, self._parts, self._merged = self._parts, self._parts[:1], self._parts[1:]
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                if os.path.lexists(tmp):     # not renamed: the parts still hold the rows
+                    self._parts, self._merged = parts, []
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                raise
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -469,11 +483,17 @@ class CSV(_FileSink):
             raise OSError(exc.errno, f"{exc.strerror}: CSV {self.path}: merging its parts "
                           f"failed; every row is still in {names} (each with its own "
                           "header)") from exc
-        for path, _, _ in self._parts[1:]:
-            os.unlink(path)
-        self._parts = self._parts[:1]
-        with contextlib.suppress(OSError):   # left in place if anyone put a file in it
-            os.rmdir(self._folder)
+        self._remove_merged()
+
+    def _remove_merged(self) -> None:
+        """The parts a merge took in, and their folder (kept if anyone put a file in it)."""
+        while self._merged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._merged[-1][0])
+            self._merged.pop()
+        if self._folder is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._folder)
 
 
 class Print:
