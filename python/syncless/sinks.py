@@ -229,6 +229,12 @@ class _FileSink:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r})"
 
+    def _shut(self) -> None:
+        self._closed = True
+        self._release()
+        if self._file is not None:
+            self._file.close()
+
 
 class Callback:
     """Call fn(step, time, values) for every delivered row."""
@@ -287,10 +293,7 @@ class JSONL(_FileSink):
                 self._open(truncate=self._fresh)          # a run without rows: an empty file
             self._check_not_deleted()
         finally:
-            self._closed = True
-            self._release()
-            if self._file is not None:
-                self._file.close()
+            self._shut()
 
 
 class CSV(_FileSink):
@@ -421,10 +424,7 @@ class CSV(_FileSink):
             if len(self._parts) < 2:                          # else the merge says it
                 self._check_not_deleted()
         finally:
-            self._closed = True
-            self._release()
-            if self._file is not None:
-                self._file.close()
+            self._shut()
         if len(self._parts) > 1:
             self._merge()
 
