@@ -104,13 +104,15 @@ PREFETCH = """
 def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
     # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
     # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
-    # only the prefetched batches.
+    # only the prefetched batches. The step's own work grows on a slow host (13 ms under ASan on
+    # 2 cores, where the wait fell to 9 ms): the wait is checked as a share of the step.
     # In its own interpreter: workers forked from a process whose torch thread pools ran (the
     # other tests') took 2 x 5 s to shut down at the next gc.
     d, r = doctor_process(tmp_path, PREFETCH, "--quick")
     assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
     assert d["verdict"] == "data-bound", r
-    assert d["data_ms"] >= 10.0 and d["plain_step_ms"] >= 15.0, (d["data_ms"], d["plain_step_ms"])
+    assert d["plain_step_ms"] >= 15.0, d["plain_step_ms"]
+    assert d["data_ms"] >= 0.3 * d["plain_step_ms"], (d["data_ms"], d["plain_step_ms"])
     [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
     assert f["workers_needed"] >= 3 and f["verified"] is None
     assert d["provisional"] is False, d["provisional_why"]
