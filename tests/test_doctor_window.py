@@ -232,7 +232,7 @@ def test_an_evaluation_alone_is_provisional_and_says_why(tmp_path, request):
 # ---- advice in the framework's words -------------------------------------------------------------
 
 def test_starvation_fix_in_the_trainers_words():
-    from syncless.doctor._frameworks import in_framework_words
+    from syncless.doctor.findings import in_framework_words
     from syncless.doctor.findings import starvation_finding
     loader = {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
     hf = starvation_finding(16.0, 17.0, None, loader, data_cpu=0.1)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from ._frames import Frame
 
-__all__ = ["FrameworkFix", "framework_fix", "stack_framework", "in_framework_words"]
+__all__ = ["FrameworkFix", "framework_fix", "stack_framework"]
 
 
 class FrameworkFix(NamedTuple):
@@ -132,38 +132,3 @@ def stack_framework(frame) -> str:
             found = "accelerate"
         frame = frame.f_back
     return found
-
-
-def in_framework_words(findings: list, framework: str, gpu: bool) -> None:
-    """Put first, in each finding the framework's loop makes, the line its user writes:
-    `TrainingArguments(...)` for the HF Trainer, the `DataLoader`/`torch.compile` argument for a
-    Lightning Trainer. The prediction is the fix's it says in other words."""
-    from .findings import Fix
-    if framework not in ("transformers", "lightning"):
-        return
-    for f in findings:
-        first = f.fixes[0] if f.fixes else None
-        predicted = getattr(first, "predicted_ms", None)
-        text = None
-        if f.kind == "starvation":
-            n = f.extra.get("workers_needed")
-            if framework == "transformers":
-                args = ([f"dataloader_num_workers={n}"] if n else []) + \
-                    ["dataloader_persistent_workers=True"] + \
-                    (["dataloader_pin_memory=True", 'accelerator_config={"non_blocking": True}']
-                     if gpu else [])
-                text = (f"TrainingArguments({', '.join(args)}): the Trainer makes the DataLoader"
-                        + ("" if n else "; no worker count is enough (see below)"))
-            else:
-                args = ([f"num_workers={n}"] if n else []) + ["persistent_workers=True"] + \
-                    (["pin_memory=True"] if gpu else [])
-                text = (f"DataLoader(..., {', '.join(args)}) in your train_dataloader() (the "
-                        "LightningModule's or the LightningDataModule's)")
-        elif f.kind == "launch-bound":
-            text = ('TrainingArguments(torch_compile=True, torch_compile_mode="reduce-overhead")'
-                    if framework == "transformers" else 'model = torch.compile(model, '
-                    'mode="reduce-overhead") before trainer.fit(model)')
-            predicted = next((x.predicted_ms for x in f.fixes if x.tag == "cuda-graph"),
-                             predicted)
-        if text:
-            f.fixes.insert(0, Fix(text, predicted, f"{framework}-args"))

@@ -46,7 +46,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from ._boundary import (ANY_OPTIMIZER, BACKWARD, LOADER, MARKER, MODULE, OPTIMIZER, STEP_AT,
                         Boundaries, parse_step_at)
 from ._frames import short
-from ._frameworks import in_framework_words
+from .findings import in_framework_words
 from . import _verify
 from ._loader import cpu_count, loader_settings, ready_batches, timed_dataloaders
 from ._sampler import StackSampler

@@ -34,7 +34,7 @@ from ._loader import plan_workers
 from .audit import ASYNC_COPY
 
 __all__ = ["Fix", "Finding", "after", "starvation_finding", "sync_findings", "launch_finding",
-           "MINOR_SHARE", "LEADS"]
+           "MINOR_SHARE", "LEADS", "in_framework_words"]
 
 MINOR_SHARE = 0.01         # a finding winning back < 1% of the step is minor
 LEADS = 0.7                # host work <= this share of the GPU's: without syncs the host leads
@@ -302,3 +302,37 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
 
 def is_minor(f: Finding, step_ms: float) -> bool:
     return step_ms <= 0 or f.cost_ms < MINOR_SHARE * step_ms or math.isnan(f.cost_ms)
+
+
+def in_framework_words(findings: list, framework: str, gpu: bool) -> None:
+    """Put first, in each finding the framework's loop makes, the line its user writes:
+    `TrainingArguments(...)` for the HF Trainer, the `DataLoader`/`torch.compile` argument for a
+    Lightning Trainer. The prediction is the fix's it says in other words."""
+    if framework not in ("transformers", "lightning"):
+        return
+    for f in findings:
+        first = f.fixes[0] if f.fixes else None
+        predicted = getattr(first, "predicted_ms", None)
+        text = None
+        if f.kind == "starvation":
+            n = f.extra.get("workers_needed")
+            if framework == "transformers":
+                args = ([f"dataloader_num_workers={n}"] if n else []) + \
+                    ["dataloader_persistent_workers=True"] + \
+                    (["dataloader_pin_memory=True", 'accelerator_config={"non_blocking": True}']
+                     if gpu else [])
+                text = (f"TrainingArguments({', '.join(args)}): the Trainer makes the DataLoader"
+                        + ("" if n else "; no worker count is enough (see below)"))
+            else:
+                args = ([f"num_workers={n}"] if n else []) + ["persistent_workers=True"] + \
+                    (["pin_memory=True"] if gpu else [])
+                text = (f"DataLoader(..., {', '.join(args)}) in your train_dataloader() (the "
+                        "LightningModule's or the LightningDataModule's)")
+        elif f.kind == "launch-bound":
+            text = ('TrainingArguments(torch_compile=True, torch_compile_mode="reduce-overhead")'
+                    if framework == "transformers" else 'model = torch.compile(model, '
+                    'mode="reduce-overhead") before trainer.fit(model)')
+            predicted = next((x.predicted_ms for x in f.fixes if x.tag == "cuda-graph"),
+                             predicted)
+        if text:
+            f.fixes.insert(0, Fix(text, predicted, f"{framework}-args"))
