@@ -55,7 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 from benchmarks._common import env_info, md_table, write_results  # noqa: E402
 
 GROUPS = ("trainer", "syncless", "data", "other", "evaluation", "model")
-_TORCH = os.sep + "torch" + os.sep
+# torch's own files: its package folder (a venv under /opt/torch/ holds every package).
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _EVAL_FUNCS = {"evaluation_loop", "prediction_step", "evaluate", "_evaluate"}
 
 
@@ -65,7 +66,7 @@ def _group(frame) -> tuple[str, str]:
     group = None
     while f is not None:
         path = f.f_code.co_filename
-        if group is None and (_TORCH not in path or "torch/utils/data" in path) \
+        if group is None and (not path.startswith(_TORCH) or "torch/utils/data" in path) \
                 and "warnings" not in os.path.basename(path):
             site = f"{_short(path)}:{f.f_lineno}"
             group = _kind(path)

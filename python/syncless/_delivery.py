@@ -87,12 +87,16 @@ class Pool:
     let one window too many out for a moment, never hold one back (a count lost that way would
     make a later flush wait forever). The training thread waits on a plain lock, re-checking:
     interrupted, its acquire raises and changes nothing, and a signal handler that flushes
-    meanwhile cannot leave it waiting for a wake-up that was already taken."""
+    meanwhile cannot leave it waiting for a wake-up that was already taken.
+
+    The free windows are a dict keyed by id(window), taken and given back by one C call each
+    (popitem, a store): atomic against the other thread and against a signal handler, with no
+    lock. A lock taken on the training thread would deadlock a handler that flushes while the
+    thread holds it (seen on the H200: a caller-delivery flush() landing inside reuse())."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.lock = threading.Lock()         # guards `free`, which both threads change
-        self.free: list = []
+        self.free: dict = {}                 # {id(window): window}; see the docstring
         self.taken = 0
         self.given = 0
         self.waits = 0
@@ -111,14 +115,15 @@ class Pool:
 
     def reuse(self) -> Any | None:
         """Training thread: a window the delivery thread is done with, or None."""
-        with self.lock:
-            return self.free.pop() if self.free else None
+        try:
+            return self.free.popitem()[1]
+        except KeyError:
+            return None
 
     def give(self, window: Any | None, keep: bool, ticket: int) -> None:
         """Delivery side: the hand-over with this ticket is done (idempotent)."""
-        with self.lock:
-            if keep and window is not None and all(w is not window for w in self.free):
-                self.free.append(window)
+        if keep and window is not None:
+            self.free[id(window)] = window       # given twice, kept once
         if ticket > self.given:
             self.given = ticket
         if self._wake.locked():
@@ -191,7 +196,7 @@ def _acquire(lock: Any, deadline: float | None) -> bool:
     return lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
 
 
-_RUNNERS = threading.Lock()                      # starts the threads of bounded resolves
+_RUNNERS = threading.RLock()                     # starts the threads of bounded resolves
 _RESUME = dis.opmap.get("RESUME", -1)             # a function's first instruction (3.11+)
 _RAISES = frozenset(dis.opmap[n] for n in ("RAISE_VARARGS", "RERAISE") if n in dis.opmap)
 
@@ -256,12 +261,15 @@ class Delivery:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # The thread (see _put): started by a hand-over, it claims the queue under _claim, a
         # lock the training thread never takes (a signal handler there must not wait on it).
-        self._claim = threading.Lock()
+        self._claim = threading.RLock()      # re-entrant: see _commit
         self._used = False                   # a job was submitted
         self._live = False                   # a started thread will consume the queue
         self._consumer: threading.Thread | None = None
         self._ident = -1
-        self._commit = threading.Lock()      # a batch's commit and writes vs take_over()
+        # A batch's commit and writes vs take_over(). Re-entrant (so is _claim): a signal
+        # handler's close() landing in close()'s own take_over() on the same thread would
+        # otherwise wait on a lock its own thread holds.
+        self._commit = threading.RLock()
         self._abandoned = -1                 # the ident of a thread take_over() left behind
         self._current: tuple | None = None   # the job the thread is running
         self._resolving: _Late | None = None  # the late value it waits for
@@ -486,8 +494,8 @@ class Delivery:
         """In a forked child: drop the parent's thread, queue and state without touching them."""
         self._jobs = queue.SimpleQueue()
         self._pending = collections.deque()
-        self._claim = threading.Lock()
-        self._commit = threading.Lock()
+        self._claim = threading.RLock()
+        self._commit = threading.RLock()
         self._pumping = 0
         self._used = self._live = False
         self._consumer = None

@@ -504,8 +504,7 @@ class Logger:
             wider = _Generation(self._device, self.capacity, columns, self._next_step)
             # gen's windows are too small now: let them go (current False); one statement.
             gen.current, self._gen, self._ring = False, wider, wider.ring
-            with self._pool.lock:
-                self._pool.free = []
+            self._pool.free = {}
 
     def _flush_window(self) -> None:
         """Hand the rows since the last flush to the delivery thread. Never waits on the GPU,
