@@ -116,7 +116,7 @@ def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
         # The first window blocks in the sink; the second flush (step 3) waits for a free
         # window. The SIGINT is sent once that wait has begun, however slow the host is.
         deadline = time.monotonic() + 60
-        while log._pool.waits == 0 and time.monotonic() < deadline:
+        while log.stats.waits == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGINT)
 
@@ -471,7 +471,7 @@ def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(dev
 
     def poke():
         deadline = time.monotonic() + 60
-        while log._pool.waits == 0 and time.monotonic() < deadline:
+        while log.stats.waits == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGUSR1)
         in_handler.wait(60)
