@@ -136,15 +136,6 @@ class Delivery:
         self._closed_sinks = 0               # close_sinks() is resumable
         self._closing = 0                    # the thread inside a sink's close()
 
-    @property
-    def deadline(self) -> float | None:
-        """Set by close(): late values and copies are waited for until then (time.monotonic)."""
-        return self.late.deadline
-
-    @deadline.setter
-    def deadline(self, deadline: float | None) -> None:
-        self.late.deadline = deadline
-
     def forget(self) -> None:
         """In a forked child: drop the parent's unfinished state without touching it."""
         self._commit = threading.Lock()

@@ -174,10 +174,15 @@ class Handover:
         self.pool.taken = ticket
         self._deliver()                      # delivery="caller": host rows need no copy
 
+    def start_closing(self, timeout: float | None) -> None:
+        """close() begins: from here on late values and copies are waited for `timeout`
+        seconds at most (None: no bound)."""
+        self.delivery.late.deadline = None if timeout is None else time.monotonic() + timeout
+
     def close(self, timeout: float | None) -> None:
         """After the last hand-over: deliver everything, stop the driver, close the sinks.
         Resumable: an interrupt leaves the rest to the next call."""
-        deadline = self.delivery.deadline
+        deadline = self.delivery.late.deadline
         done = self.drain(math.inf, deadline) and self.stop(deadline)
         if not done and not self._take_over(grace=max(1.0, timeout or 0.0)):
             _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "

@@ -29,7 +29,7 @@ import _thread
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, TypeVar
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, NoReturn, TypeVar
 
 import torch
 
@@ -72,9 +72,11 @@ class LoggerStats(NamedTuple):
 
 
 class _Generation:
-    """One device ring (it is replaced by a wider one when new metrics outgrow its columns)."""
+    """One device ring (it is replaced by a wider one when new metrics outgrow its columns),
+    with columns for `metrics` metrics at least, in whole blocks."""
 
-    def __init__(self, device: int, capacity: int, columns: int, next_step: int):
+    def __init__(self, device: int, capacity: int, metrics: int, next_step: int):
+        columns = max(_COLUMN_BLOCK, -(-metrics // _COLUMN_BLOCK) * _COLUMN_BLOCK)
         nbytes = _C.ring_nbytes(capacity, columns)
         self.device = device
         self.memory = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
@@ -87,6 +89,68 @@ class _Generation:
         self.current = True                                  # False once a wider ring replaced it
 
 
+def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sinks_on: Any,
+                   delivery: Any) -> None:
+    for name, v in (("every", every), ("windows", windows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    check_max_delay(max_delay)
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise ValueError(f"capacity must be an int, got {capacity!r}")
+        if capacity < every:
+            raise ValueError(f"capacity ({capacity}) must hold at least one window "
+                             f"({every} rows)")
+    if sinks_on not in ("rank0", "all"):
+        raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
+    if delivery not in ("thread", "caller"):
+        raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
+                         f"sinks) or 'caller' (the logging thread does, at its flushes), "
+                         f"got {delivery!r}")
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an int, got the bool {step!r}")
+    if not isinstance(step, int):
+        if isinstance(step, torch.Tensor):
+            raise TypeError("step must be a Python int, got a tensor: reading it would sync "
+                            "the GPU; pass the loop's own int counter (or omit step)")
+        try:
+            step = int(step.__index__())         # numpy ints
+        except (AttributeError, TypeError):
+            raise TypeError(f"step must be an int, got {type(step).__name__}") from None
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def _check_name(name: Any, attached: bool = False) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"metric names must be str, got {name!r}")
+    if name in RESERVED:
+        fix = "pick another name" if attached else f"rename the metric, e.g. 'train/{name}'"
+        raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
+                         f"time (the JSONL and CSV sinks write them as fields); {fix}")
+
+
+def _make_reducer(reduce: str | Mapping[str, str]) -> Any:
+    from ._reduce import Reducer         # torch.distributed's side: only when asked for
+    return Reducer(reduce)
+
+
+def _cuda_index(device: str | int | torch.device | None) -> int | None:
+    """The CUDA device index of Logger(device=...), None for the CPU (or no device given)."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return dev.index if dev.index is not None else torch.cuda.current_device()
+    if dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {dev}")
+    return None
+
+
 def check_max_delay(max_delay: Any) -> None:
     if max_delay is not None and (isinstance(max_delay, bool)
                                   or not isinstance(max_delay, (int, float))
@@ -95,7 +159,110 @@ def check_max_delay(max_delay: Any) -> None:
                          f"{max_delay!r}")
 
 
-class Logger:
+class _Readings:
+    """What a Logger shows its user: its settings (sinks, max_delay), what it delivered and how
+    (latest, stats, gpu_steps, the steps), and its refusal to be copied. Logger's own state,
+    read through properties so that the hot path keeps plain attributes."""
+    every: int
+    _closed: bool
+    _calls: int
+    _last_step: int
+    _device: int
+    _gen: _Generation | None
+    _max_delay: float
+    _max_delay_given: float | None
+    _delivery: Delivery
+    _handover: Handover
+
+    @property
+    def sinks(self) -> list[Any]:
+        return self._delivery.sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Iterable[Any]) -> None:
+        self._delivery.sinks = check_sinks(sinks)      # a new list: the next batch uses it
+
+    @property
+    def max_delay(self) -> float | None:
+        """Seconds after a window's first row at which the next call hands it over (None: no
+        bound). Settable; a new value applies from the next window.
+
+        A row reaches the sinks about `max_delay` after its call at the latest, even when
+        `every` calls take longer (slow steps): the first call at or past that time after the
+        window's first row hands the window over early, as the `every`-th call would (one copy,
+        no sync; the test is a comparison with the clock reading each call already makes). The
+        clock is only read in calls: rows logged before the loop stops calling (a long
+        evaluation) wait for the next call, flush() or close(); call `log.flush(wait=False)`
+        before such a pause to send them (no wait). With delivery="caller" rows reach the sinks
+        one flush later, so about twice `max_delay`. Calls inside torch.compile'd code and CUDA
+        graph replays are not bounded (no host code runs)."""
+        return self._max_delay_given
+
+    @max_delay.setter
+    def max_delay(self, max_delay: float | None) -> None:
+        check_max_delay(max_delay)
+        self._max_delay_given = max_delay
+        self._max_delay = _INF if max_delay is None else float(max_delay)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def last_step(self) -> int:
+        """The step of the last log() call; -1 before the first. Once a CUDA graph captured a
+        call (steps_on_device()), the last step the host assigned: replays and the eager calls
+        after them take steps counted on the GPU."""
+        return self._last_step
+
+    def steps_on_device(self) -> bool:
+        """True once a CUDA graph captured one of this logger's calls: from then on the GPU
+        counts the steps of calls without step= (every replay takes the next one) and the host
+        no longer knows the last one; `last_step` is then the last step the host assigned."""
+        return self._gen is not None and self._gen.captured
+
+    @property
+    def delivered_step(self) -> int:
+        """The step of the last row handed to the sinks; -1 before the first."""
+        return self._delivery.delivered_step
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The last delivered value of each metric (a few steps behind the loop)."""
+        return self._delivery.latest
+
+    def gpu_steps(self) -> list[tuple[int, float | None, float | None]]:
+        """[(step, gpu_ms, lag_ms)] for the recent delivered steps of a Logger(gpu_time=True)
+        (up to 8192; [] otherwise), read from the GPU timestamps of each step's last row.
+        gpu_ms: the GPU's time from the previous step's last row to this one's, per step when
+        steps were skipped (None for the first); the GPU's pace, whatever it spent it on.
+        lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
+        return self._delivery.clock.table()
+
+    @property
+    def stats(self) -> LoggerStats:
+        d, h = self._delivery, self._handover
+        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits, dict(d.nonfinite),
+                           d.lost, d.sink_errors, d.late.errors, len(d.missing))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._calls} steps"
+        return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
+
+    # A copy would share the queue and the sinks but not the step counters (two loggers
+    # writing one run with steps that go back), and a pickle cannot carry a thread, device
+    # buffers or open files: refused, with the fix, the moment anything tries.
+    def __copy__(self, *args: Any) -> NoReturn:
+        raise _not_copyable(self)
+
+    __deepcopy__ = __reduce_ex__ = __copy__
+
+
+class Logger(_Readings):
     """Collect per-step metrics with zero host-device syncs and deliver them to sinks.
 
     >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
@@ -111,14 +278,8 @@ class Logger:
     far the GPU trails the CPU) to every row, and keeps the GPU clock per step (gpu_steps()).
 
     `max_delay` (seconds, default 2.0; None: no bound): a row reaches the sinks about
-    `max_delay` after its call at the latest, even when `every` calls take longer (slow steps):
-    the first call at or past that time after the window's first row hands the window over
-    early, as the `every`-th call would (one copy, no sync; the test is a comparison with the
-    clock reading each call already makes). The clock is only read in calls: rows logged
-    before the loop stops calling (a long evaluation) wait for the next call, flush() or
-    close(); call `log.flush(wait=False)` before such a pause to send them (no wait). With
-    delivery="caller" rows reach the sinks one flush later, so about twice `max_delay`. Calls
-    inside torch.compile'd code and CUDA graph replays are not bounded (no host code runs).
+    `max_delay` after its call at the latest, even when `every` calls take longer (see the
+    `max_delay` property).
 
     `delivery="thread"` (default): a thread of the logger's decodes the rows and calls the sinks.
     `delivery="caller"`: the logging thread does it itself, at each flush, for the copies that
@@ -129,10 +290,8 @@ class Logger:
     stops that sink there (the next flush goes on from the next sink, or from that one if it had
     not begun), so a sink that must not be cut short belongs to the default delivery.
 
-    `close_timeout` (seconds, default 30; None: no bound) is how long close() and interpreter
-    exit wait for late values (an attach() fn, a timer on a stream that never completes) and
-    device copies; what did not come by then is left out of the rows, counted in
-    `stats.missing` and named in one warning, and close() returns.
+    `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
+    exit wait for late values and device copies (see close()).
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
@@ -146,28 +305,10 @@ class Logger:
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
                  delivery: str = "thread", max_delay: float | None = 2.0,
                  close_timeout: float | None = 30.0):
-        for name, v in (("every", every), ("windows", windows)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_max_delay(max_delay)
-        if capacity is not None:
-            if isinstance(capacity, bool) or not isinstance(capacity, int):
-                raise ValueError(f"capacity must be an int, got {capacity!r}")
-            if capacity < every:
-                raise ValueError(f"capacity ({capacity}) must hold at least one window "
-                                 f"({every} rows)")
+        _check_options(every, windows, capacity, max_delay, sinks_on, delivery)
         sinks = check_sinks(sinks)
         self.close_timeout = _check_timeout(close_timeout, "close_timeout")
-        if sinks_on not in ("rank0", "all"):
-            raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
-        if delivery not in ("thread", "caller"):
-            raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
-                             f"sinks) or 'caller' (the logging thread does, at its flushes), "
-                             f"got {delivery!r}")
-        self._reducer = None
-        if reduce is not None:
-            from ._reduce import Reducer
-            self._reducer = Reducer(reduce)
+        self._reducer = None if reduce is None else _make_reducer(reduce)
         self.rank = _rank()
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
@@ -179,8 +320,7 @@ class Logger:
         self._names: list[str] = []
         self._next_step = 0
         self._last_step = -1
-        self._calls = 0
-        self._since_flush = 0
+        self._calls = self._since_flush = 0
         self._flush_due = False
         self._closed = False                  # log() refuses from here on
         self._finished = False                # close() ran to its end
@@ -194,21 +334,15 @@ class Logger:
         self._owner = _SHARED if threads else _UNOWNED
         self._shared = bool(threads)
         self._delivery = Delivery(sinks, self._names, bool(gpu_time))
-        self._handover: Handover
-        if delivery == "caller":
-            self._handover = CallerHandover(self._delivery, windows, self._lock,
-                                            _unowned(self))
-        else:
-            self._handover = ThreadHandover(self._delivery, windows, self._lock)
+        self._handover = ThreadHandover(self._delivery, windows, self._lock) \
+            if delivery == "thread" else \
+            CallerHandover(self._delivery, windows, self._lock, _unowned(self))
         self._pid = os.getpid()
         _live.add(self)
         _compile.track(self)
-        if device is not None:
-            dev = torch.device(device)
-            if dev.type == "cuda":
-                self._bind(dev.index if dev.index is not None else torch.cuda.current_device())
-            elif dev.type != "cpu":
-                raise ValueError(f"device must be cpu or cuda, got {dev}")
+        index = _cuda_index(device)
+        if index is not None:
+            self._bind(index)
 
     # ---- the hot path ------------------------------------------------------------------------
 
@@ -346,11 +480,7 @@ class Logger:
         waits for a value `close_timeout` seconds at most (see Logger)."""
         if self._closed:
             self._refuse_closed()
-        if not isinstance(name, str):
-            raise TypeError(f"metric names must be str, got {name!r}")
-        if name in RESERVED:
-            raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
-                             "time; pick another name")
+        _check_name(name, attached=True)
         if name in self._columns:
             raise ValueError(f"metric {name!r} is written by log(); an attached value under the "
                              "same name would be mixed into it: attach it under another name "
@@ -361,14 +491,8 @@ class Logger:
             self._refuse_device_steps("attach() without step=")
             step = self._last_step
         else:
-            step = self._check_step(step)
+            step = _check_step(step)
         self._handover.attach(Late(max(step, 0), name, resolve))
-
-    def steps_on_device(self) -> bool:
-        """True once a CUDA graph captured one of this logger's calls: from then on the GPU
-        counts the steps of calls without step= (every replay takes the next one) and the host
-        no longer knows the last one; `last_step` is then the last step the host assigned."""
-        return self._gen is not None and self._gen.captured
 
     def _refuse_device_steps(self, what: str) -> None:
         if self.steps_on_device():
@@ -419,24 +543,8 @@ class Logger:
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    @staticmethod
-    def _check_step(step: Any) -> int:
-        if isinstance(step, bool):
-            raise TypeError(f"step must be an int, got the bool {step!r}")
-        if not isinstance(step, int):
-            if isinstance(step, torch.Tensor):
-                raise TypeError("step must be a Python int, got a tensor: reading it would sync "
-                                "the GPU; pass the loop's own int counter (or omit step)")
-            try:
-                step = int(step.__index__())         # numpy ints
-            except (AttributeError, TypeError):
-                raise TypeError(f"step must be an int, got {type(step).__name__}") from None
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return step
-
     def _take_step(self, step: Any) -> int:
-        step = self._check_step(step)
+        step = _check_step(step)
         if step < self._last_step:
             raise ValueError(f"step {step} is before the last logged step {self._last_step}; "
                              "steps must not go backwards")
@@ -444,12 +552,7 @@ class Logger:
 
     def _add_columns(self, metrics: Mapping[str, Any]) -> None:
         for name in metrics:
-            if not isinstance(name, str):
-                raise TypeError(f"metric names must be str, got {name!r}")
-            if name in RESERVED:
-                raise ValueError(f"metric name {name!r} is reserved: every row has its own step "
-                                 "and time (the JSONL and CSV sinks write them as fields); "
-                                 f"rename the metric, e.g. 'train/{name}'")
+            _check_name(name)
         new = [n for n in metrics if n not in self._columns]
         if self._gen is not None and len(self._names) + len(new) > self._gen.ring.columns:
             self._grow(len(self._names) + len(new))
@@ -469,8 +572,7 @@ class Logger:
                     "its device ring must be allocated before capture. Call log() once before "
                     "capturing (warm-up), or create the logger with device='cuda'.")
             self._hand_over_host_rows()
-            columns = max(_COLUMN_BLOCK, -(-len(self._names) // _COLUMN_BLOCK) * _COLUMN_BLOCK)
-            gen = _Generation(device, self.capacity, columns, self._next_step)
+            gen = _Generation(device, self.capacity, len(self._names), self._next_step)
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
 
@@ -544,8 +646,9 @@ class Logger:
         resumable: a close() an interrupt cut short (a second Ctrl-C) is finished by the next
         call, or at interpreter exit. Late values (attach(), timers) and device copies are
         waited for `timeout` seconds at most (default: the Logger's close_timeout, 30 s; None:
-        no bound); those that did not come are left out, counted in stats.missing and named in
-        one warning."""
+        no bound): an attach() fn, a timer on a stream that never completes, a copy that never
+        lands. Those that did not come by then are left out of the rows, counted in
+        stats.missing and named in one warning, and close() returns."""
         self._handover.refuse_on_thread("close()")
         if self._finished:
             return
@@ -557,7 +660,7 @@ class Logger:
                 raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
             # From here on late values are waited for until the deadline at most (with
             # delivery="caller", the hand-over below already delivers).
-            d.deadline = None if timeout is None else time.monotonic() + timeout
+            self._handover.start_closing(timeout)
             self._closed = True
             self._flush_window()
         self._handover.close(timeout)       # deliver, stop the driver, close the sinks
@@ -578,128 +681,8 @@ class Logger:
         self.close()
 
     def __del__(self) -> None:
-        # A Logger dropped without close() (a local in a function) still delivers its rows;
-        # one that reduces across ranks cannot (closing is a collective every rank must join).
-        if getattr(self, "_finished", True) or getattr(self, "_pid", None) != os.getpid():
-            return
-        if self._reducer is not None:
-            pending = self._calls - self._delivery.delivered
-            if pending:
-                _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d "
-                             "rows (steps after %d) were not delivered; close it on every rank",
-                             pending, self._delivery.delivered_step)
-            self._closed = self._finished = True
-            self._handover.stop()
-            return
-        # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored
-        # in"), and this logger, unreachable, is out of the exit hook's reach: finish the close,
-        # then hand the interrupt back to the main thread once this finalizer has returned (a
-        # handler tripped now would run in it again: a few ms later, from a thread).
-        interrupted = False
-        for _ in range(3):
-            try:
-                self.close()
-                break
-            except KeyboardInterrupt:
-                interrupted = True
-            except Exception as exc:
-                _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
-                break
-        if interrupted:
-            threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
-                             daemon=True).start()
+        _finalize(self)
 
-    def _after_fork_in_child(self) -> None:
-        """The child of os.fork() inherits this object but not its delivery thread, and its
-        rows belong to the parent: it must neither deliver them again nor wait for a thread
-        that does not run. It becomes a closed logger that says why."""
-        self._lock = threading.RLock()
-        self._owner = _UNOWNED
-        self._handover.forget(self._lock)
-        self._host_rows = []
-        self._gen = self._ring = None
-        self._since_flush = 0
-        self._closed = self._finished = self._forked = True
-        _live.discard(self)
-
-    # ---- what users read ---------------------------------------------------------------------
-
-    @property
-    def sinks(self) -> list[Any]:
-        return self._delivery.sinks
-
-    @sinks.setter
-    def sinks(self, sinks: Iterable[Any]) -> None:
-        self._delivery.sinks = check_sinks(sinks)      # a new list: the next batch uses it
-
-    @property
-    def max_delay(self) -> float | None:
-        """Seconds after a window's first row at which the next call hands it over (None: no
-        bound). Settable; a new value applies from the next window."""
-        return self._max_delay_given
-
-    @max_delay.setter
-    def max_delay(self, max_delay: float | None) -> None:
-        check_max_delay(max_delay)
-        self._max_delay_given = max_delay
-        self._max_delay = _INF if max_delay is None else float(max_delay)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def last_step(self) -> int:
-        """The step of the last log() call; -1 before the first. Once a CUDA graph captured a
-        call (steps_on_device()), the last step the host assigned: replays and the eager calls
-        after them take steps counted on the GPU."""
-        return self._last_step
-
-    @property
-    def delivered_step(self) -> int:
-        """The step of the last row handed to the sinks; -1 before the first."""
-        return self._delivery.delivered_step
-
-    @property
-    def latest(self) -> dict[str, float]:
-        """The last delivered value of each metric (a few steps behind the loop)."""
-        return self._delivery.latest
-
-    def gpu_steps(self) -> list[tuple[int, float | None, float | None]]:
-        """[(step, gpu_ms, lag_ms)] for the recent delivered steps of a Logger(gpu_time=True)
-        (up to 8192; [] otherwise), read from the GPU timestamps of each step's last row.
-        gpu_ms: the GPU's time from the previous step's last row to this one's, per step when
-        steps were skipped (None for the first); the GPU's pace, whatever it spent it on.
-        lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
-        return self._delivery.clock.table()
-
-    @property
-    def stats(self) -> LoggerStats:
-        d, h = self._delivery, self._handover
-        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits, dict(d.nonfinite),
-                           d.lost, d.sink_errors, d.late.errors, len(d.missing))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self._calls} steps"
-        return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
-
-    # ---- copies ------------------------------------------------------------------------------
-    # A copy would share the queue and the sinks but not the step counters (two loggers
-    # writing one run with steps that go back), and a pickle cannot carry a thread, device
-    # buffers or open files: refused, with the fix, the moment anything tries.
-
-    def __copy__(self) -> "Logger":
-        raise _not_copyable(self)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Logger":
-        raise _not_copyable(self)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _not_copyable(self)
 
 
 def _not_copyable(log: Logger) -> TypeError:
@@ -755,6 +738,40 @@ def _unowned(log: Logger) -> Callable[[Callable[[], None]], None]:
     return unowned
 
 
+def _finalize(log: Logger) -> None:
+    """Logger.__del__. A Logger dropped without close() (a local in a function) still delivers
+    its rows; one that reduces across ranks cannot (closing is a collective every rank must
+    join)."""
+    if getattr(log, "_finished", True) or getattr(log, "_pid", None) != os.getpid():
+        return
+    if log._reducer is not None:
+        pending = log._calls - log._delivery.delivered
+        if pending:
+            _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d rows "
+                         "(steps after %d) were not delivered; close it on every rank",
+                         pending, log._delivery.delivered_step)
+        log._closed = log._finished = True
+        log._handover.stop()
+        return
+    # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored in"),
+    # and this logger, unreachable, is out of the exit hook's reach: finish the close, then
+    # hand the interrupt back to the main thread once this finalizer has returned (a handler
+    # tripped now would run in it again: a few ms later, from a thread).
+    interrupted = False
+    for _ in range(3):
+        try:
+            log.close()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:
+            _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+            break
+    if interrupted:
+        threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
+                         daemon=True).start()
+
+
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -766,8 +783,18 @@ def _interrupt_main_soon() -> None:
 
 
 def _forked_child() -> None:
+    """The child of os.fork() inherits each Logger but not its delivery thread, and their rows
+    belong to the parent: it must neither deliver them again nor wait for a thread that does
+    not run. Each becomes a closed logger that says why."""
     for log in list(_live):
-        log._after_fork_in_child()
+        log._lock = threading.RLock()
+        log._owner = _UNOWNED
+        log._handover.forget(log._lock)
+        log._host_rows = []
+        log._gen = log._ring = None
+        log._since_flush = 0
+        log._closed = log._finished = log._forked = True
+        _live.discard(log)
 
 
 os.register_at_fork(after_in_child=_forked_child)
