@@ -1,7 +1,9 @@
 """Type stub for syncless._C, the C core (csrc/). Policy lives in the Python package.
 
 Import it as ``from syncless._torch import _C``: that module binds it to torch."""
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, overload
+
+_R = TypeVar("_R", bound=tuple[Any, ...])
 
 class CudaError(RuntimeError): ...
 
@@ -26,22 +28,45 @@ def read_host_values(metrics: dict[str, Any]) -> tuple[int, dict[str, float] | N
 def learn_neg_bit(probes: list[Any]) -> bool: ...
 def ring_nbytes(capacity: int, columns: int) -> int: ...
 
+# ---- the device ring and its host windows (csrc/ring.c) ----------------------------------------
+
+GATHER_NEW_COLUMN: int
+"""Ring.gather's answer when a metric has no column in the ring yet: nothing was launched."""
+
+def tally(rows: list[Any], latest: dict[str, float] | None,
+          nonfinite: dict[str, int] | None, /) -> None:
+    """For rows made in Python (dicts, or syncless.Row), what Window.decode does for its own:
+    each metric's last value into `latest`, its NaN/Inf count into `nonfinite`."""
+
 class Ring:
-    columns: int
-    capacity: int
+    """Ring(device, address, capacity, columns): a logger's device ring."""
+    @property
+    def columns(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
     def __init__(self, device: int, address: int, capacity: int, columns: int) -> None: ...
     def gather(self, metrics: dict[str, Any], columns: dict[str, int], tag: int, step: int,
-               time: float, /) -> bool: ...      # step -1: the ring's next step (GPU-counted)
+               time: float, /) -> bool | int:
+        """One launch writes the row; step -1: the ring's next step (GPU-counted). True:
+        captured into a CUDA graph; False: launched; GATHER_NEW_COLUMN: a metric has no
+        column in this ring, nothing launched."""
     def clear(self, next_step: int, /) -> None: ...
     def capturing(self) -> bool: ...
     def wrote(self, tag: int, /) -> bool: ...
     def copy_to(self, window: Window, /) -> None: ...
 
 class Window:
+    """Window(device, address, nbytes): pinned host memory a ring is copied into."""
     def __init__(self, device: int, address: int, nbytes: int) -> None: ...
     def wait(self) -> None: ...
+    def ready(self) -> bool: ...
+    @overload
     def decode(self, from_seq: int, names: list[str], nonfinite: dict[str, int], /
                ) -> tuple[int, list[tuple[int, int, int, float, int, dict[str, float]]]]: ...
+    @overload
+    def decode(self, from_seq: int, names: list[str], nonfinite: dict[str, int],
+               row_type: type[_R], replay_time: float = ...,
+               latest: dict[str, float] | None = ..., /) -> tuple[int, list[_R]]: ...
 
 class EventPair:
     def __init__(self, device: int) -> None: ...

@@ -170,15 +170,15 @@ class LateValues:
                     raise                         # the training thread's own interrupt
                 self._failed_once(late, f"failed: {type(exc).__name__}: {exc}")
                 continue
-            row = first.get(late.step)
-            if row is not None and late.name in row.values and \
+            target = first.get(late.step)
+            if target is not None and late.name in target.values and \
                     (late.step, late.name) not in merged:
                 self._failed_once(late, f"was not added: log() wrote {late.name!r} at that "
                                   "step, and its value is kept; attach under a name log() does "
                                   "not use")
                 continue
             merged.add((late.step, late.name))
-            values = row.values if row is not None else extra.setdefault(late.step, {})
+            values = target.values if target is not None else extra.setdefault(late.step, {})
             values[late.name] = values.get(late.name, 0.0) + v     # repeated durations add up
             added.append({late.name: v})
         _C.tally(added, None, nonfinite)

@@ -29,6 +29,7 @@ import _thread
 import threading
 import time
 import weakref
+from types import FrameType
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, NoReturn, TypeVar
 
 import torch
@@ -109,17 +110,20 @@ def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sink
                          f"got {delivery!r}")
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"step must be an int, got the bool {step!r}")
-    if not isinstance(step, int):
-        if isinstance(step, torch.Tensor):
+def _check_step(given: Any) -> int:
+    step: int
+    if isinstance(given, bool):
+        raise TypeError(f"step must be an int, got the bool {given!r}")
+    if isinstance(given, int):
+        step = given
+    else:
+        if isinstance(given, torch.Tensor):
             raise TypeError("step must be a Python int, got a tensor: reading it would sync "
                             "the GPU; pass the loop's own int counter (or omit step)")
         try:
-            step = int(step.__index__())         # numpy ints
+            step = int(given.__index__())        # numpy ints
         except (AttributeError, TypeError):
-            raise TypeError(f"step must be an int, got {type(step).__name__}") from None
+            raise TypeError(f"step must be an int, got {type(given).__name__}") from None
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step
@@ -364,7 +368,8 @@ class Logger(_Readings):
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log one row: {name: value} at `step` (default: the step after the last one)."""
         if _compile.tracing():               # inside torch.compile: one custom op in the graph
-            return _compile.log(self, metrics, step)
+            _compile.log(self, metrics, step)
+            return
         if self._closed:
             self._handover.refuse_on_thread("log()")
             self._refuse_closed()
@@ -507,7 +512,7 @@ class Logger(_Readings):
                                "a new Logger in the child to log from it")
         raise ValueError("this Logger is closed; create a new one to log again")
 
-    def _log_host(self, metrics: dict, step: int) -> None:
+    def _log_host(self, metrics: dict[str, Any], step: int) -> None:
         """Before any CUDA metric: values are read now and kept as host rows."""
         if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
             raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
@@ -543,8 +548,8 @@ class Logger(_Readings):
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    def _take_step(self, step: Any) -> int:
-        step = _check_step(step)
+    def _take_step(self, given: Any) -> int:
+        step = _check_step(given)
         if step < self._last_step:
             raise ValueError(f"step {step} is before the last logged step {self._last_step}; "
                              "steps must not go backwards")
@@ -555,7 +560,7 @@ class Logger(_Readings):
             _check_name(name)
         new = [n for n in metrics if n not in self._columns]
         if self._gen is not None and len(self._names) + len(new) > self._gen.ring.columns:
-            self._grow(len(self._names) + len(new))
+            self._grow(self._gen, len(self._names) + len(new))
         for name in new:
             self._columns[name] = len(self._names)
             self._names.append(name)
@@ -576,8 +581,7 @@ class Logger(_Readings):
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
 
-    def _grow(self, needed: int) -> None:
-        gen = self._gen
+    def _grow(self, gen: _Generation, needed: int) -> None:
         if gen.captured:
             raise ValueError(
                 f"cannot add metric #{needed}: the ring is full and a CUDA graph captured it, so "
@@ -685,11 +689,11 @@ class Logger(_Readings):
 
 
 
-def _not_copyable(log: Logger) -> TypeError:
+def _not_copyable(log: object) -> TypeError:
     """The error for a copy or pickle of `log`, naming where it is held when the caller is a
     deepcopy (the attribute or key holding it) or Lightning's save_hyperparameters()."""
     held, owner, lightning = None, None, False
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         local = frame.f_locals
         code = frame.f_code
