@@ -322,13 +322,11 @@ class Logger(_Readings):
         self.capacity = capacity or max(2 * every, 64)
         self._columns: dict[str, int] = {}
         self._names: list[str] = []
-        self._next_step = 0
-        self._last_step = -1
+        self._next_step, self._last_step = 0, -1
         self._calls = self._since_flush = 0
         self._flush_due = False
         self._closed = False                  # log() refuses from here on
-        self._finished = False                # close() ran to its end
-        self._forked = False
+        self._finished = self._forked = False  # close() ran to its end; os.fork() closed it
         self._host_rows: list[Row] = []
         self._device = -1
         self._gen: _Generation | None = None
@@ -556,9 +554,11 @@ class Logger(_Readings):
         return step
 
     def _add_columns(self, metrics: Mapping[str, Any]) -> None:
-        for name in metrics:
-            _check_name(name)
         new = [n for n in metrics if n not in self._columns]
+        if not new:
+            return                           # (the host path's every call: keep it short)
+        for name in new:                     # names with a column passed this already
+            _check_name(name)
         if self._gen is not None and len(self._names) + len(new) > self._gen.ring.columns:
             self._grow(self._gen, len(self._names) + len(new))
         for name in new:
