@@ -63,11 +63,17 @@ class Pool:
     let one window too many out for a moment, never hold one back (a count lost that way would
     make a later flush wait forever). The training thread waits on a plain lock, re-checking:
     interrupted, its acquire raises and changes nothing, and a signal handler that flushes
-    meanwhile cannot leave it waiting for a wake-up that was already taken."""
+    meanwhile cannot leave it waiting for a wake-up that was already taken.
+
+    `lock` guards `free`, which both threads change. It is re-entrant: a signal handler that
+    flushes can run inside reuse() or give() on the training thread (after a call returns,
+    with the lock held), and its own hand-over takes the lock again; with a plain lock that
+    thread waited for itself forever (delivery="caller" on CUDA hung so). Each takes or puts
+    one window in a single list operation, so the one it interrupted finds `free` whole."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.lock = threading.Lock()         # guards `free`, which both threads change
+        self.lock = threading.RLock()
         self.free: list[Window] = []
         self.taken = 0
         self.given = 0

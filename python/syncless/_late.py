@@ -14,7 +14,9 @@ from .rows import Row
 __all__ = ["Late", "LateValues"]
 
 _log = logging.getLogger("syncless")
-_RUNNERS = threading.Lock()                      # starts the threads of bounded resolves
+# Starts the threads of bounded resolves; re-entrant, as a signal handler's close() may come
+# back here on the thread it interrupted (see _handover.Pool).
+_RUNNERS = threading.RLock()
 
 
 class Late:
