@@ -1,7 +1,7 @@
 """Type stub for syncless._C, the C core (csrc/). Policy lives in the Python package.
 
 Import it as ``from syncless._torch import _C``: that module binds it to torch."""
-from typing import Any, Callable, TypeVar, overload
+from typing import Any, Callable, TypeVar, final, overload
 
 _R = TypeVar("_R", bound=tuple[Any, ...])
 
@@ -38,13 +38,14 @@ def tally(rows: list[Any], latest: dict[str, float] | None,
     """For rows made in Python (dicts, or syncless.Row), what Window.decode does for its own:
     each metric's last value into `latest`, its NaN/Inf count into `nonfinite`."""
 
+@final
 class Ring:
     """Ring(device, address, capacity, columns): a logger's device ring."""
+    def __new__(cls, device: int, address: int, capacity: int, columns: int) -> Ring: ...
     @property
     def columns(self) -> int: ...
     @property
     def capacity(self) -> int: ...
-    def __init__(self, device: int, address: int, capacity: int, columns: int) -> None: ...
     def gather(self, metrics: dict[str, Any], columns: dict[str, int], tag: int, step: int,
                time: float, /) -> bool | int:
         """One launch writes the row; step -1: the ring's next step (GPU-counted). True:
@@ -55,9 +56,10 @@ class Ring:
     def wrote(self, tag: int, /) -> bool: ...
     def copy_to(self, window: Window, /) -> None: ...
 
+@final
 class Window:
     """Window(device, address, nbytes): pinned host memory a ring is copied into."""
-    def __init__(self, device: int, address: int, nbytes: int) -> None: ...
+    def __new__(cls, device: int, address: int, nbytes: int) -> Window: ...
     def wait(self) -> None: ...
     def ready(self) -> bool: ...
     @overload
