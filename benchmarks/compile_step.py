@@ -214,7 +214,7 @@ class Variant:
 
     def delivery_cpu(self):
         """CPU seconds the Logger's delivery thread used so far (0 before it started)."""
-        thread = self.log._delivery._thread if self.log is not None else None
+        thread = getattr(self.log._handover, "thread", None) if self.log is not None else None
         if thread is None or not hasattr(time, "pthread_getcpuclockid"):
             return 0.0
         try:
@@ -354,7 +354,7 @@ def section(kind, base, batches, device, mode, rounds, sync, train, turns):
             v.log.flush()
         cpu0, rows0, dec0 = delivery[name]
         rows = v.sink_rows() - rows0
-        threaded = v.log is not None and not v.log._delivery.caller
+        threaded = v.log is not None and hasattr(v.log._handover, "thread")
         delivery[name] = (v.delivery_cpu() - cpu0) / rows * 1e6 if rows and threaded else None
         decode_cpu[name] = (v.decode_cpu - dec0) / rows * 1e6 if rows else None
     print(f"  [{kind}] delivery CPU µs per row, all (its thread's) / inside _decode (copy wait "

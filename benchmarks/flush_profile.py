@@ -78,12 +78,12 @@ def time_pieces(log):
     cuda = log._gen is not None
     if cuda:
         log._gen.ring = Ring(log._gen.ring)
-    for owner, name, label in [(log._pool, "wait", "Pool.wait"),
-                               (log._pool, "reuse", "Pool.reuse"),
+    for owner, name, label in [(log._handover.pool, "wait", "Pool.wait"),
+                               (log._handover.pool, "reuse", "Pool.reuse"),
                                *([(log._gen.ring, "capturing", "ring.capturing()"),
                                   (log._gen.ring, "copy_to", "ring.copy_to (copy + event)")]
                                  if cuda else []),
-                               (log._delivery, "submit_window", "submit_window (queue put)"),
+                               (log._handover, "_submit", "Handover._submit (queue put)"),
                                (log, "flush", "flush(wait=False), whole")]:
         wrap(owner, name, label)
     return spent

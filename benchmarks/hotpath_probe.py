@@ -73,7 +73,7 @@ def flush_parts() -> None:
     import queue
     import time as _time
 
-    from syncless import logger as lg
+    from syncless import _handover as lg
 
     log = syncless.Logger(every=1000, capacity=1000, device="cuda")
     m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
@@ -94,14 +94,14 @@ def flush_parts() -> None:
         w.win.wait()
         w.win.decode(1 << 62, log._names, {})
 
-    w = lg._Window(log._device, log._gen.nbytes)
+    w = lg.Window(log._device, log._gen.nbytes)
     pieces = [
         ("log.log(K=4) + flush(wait=False)", log_and_flush),
         ("log.log(K=4) alone (same logger)", lambda: log.log(m4)),
         ("with torch.cuda.device(...)", device_ctx),
         ("ring.capturing()", ring.capturing),
         ("ring.copy_to + wait + empty decode", copy_cycle),
-        ("Pool.reuse()", log._pool.reuse),
+        ("Pool.reuse()", lambda: log._handover.pool.reuse(0)),
         ("SimpleQueue.put (no reader)", lambda: jobs.put(1)),
         ("time.time()", _time.time),
     ]
@@ -112,8 +112,8 @@ def flush_parts() -> None:
 def delivery_rows(rows: int = 100) -> None:
     """The delivery thread's work per row of a 4-metric flush (run here, on this thread):
     decoding a window into Row objects, into plain tuples, and the hand-over to one sink."""
-    from syncless._delivery import Row
-    from syncless.logger import _Window
+    from syncless._handover import Window as _Window
+    from syncless.rows import Row
 
     class Keep:                                      # compile_step's sink: steps only
         def write(self, batch):

@@ -8,15 +8,6 @@
 
 #include <string.h>
 
-static PyObject *driver_version(PyObject *module, PyObject *unused)
-{
-    (void)unused;
-    sl_state *st = sl_get_state(module);
-    if (sl_driver_load(st))
-        return NULL;
-    return PyLong_FromLong(st->drv.version);
-}
-
 static PyMethodDef methods[] = {
     {"bind_torch", sl_bind_torch, METH_VARARGS,
      "bind_torch(Tensor, Parameter, dtype_kinds, exchange_capsule, raw_stream, resolve, number, "
@@ -27,8 +18,9 @@ static PyMethodDef methods[] = {
     {"read_host_values", sl_read_host_values, METH_O,
      "read_host_values(metrics) -> (device, floats or None): read one call's metrics on the host, "
      "or name the CUDA device of the first GPU one"},
-    {"driver_version", driver_version, METH_NOARGS,
-     "Load the CUDA driver (if not yet) and return its version, e.g. 13000."},
+    {"tally", sl_tally, METH_VARARGS,
+     "tally(rows, latest, nonfinite): each metric's last value into latest and its NaN/Inf "
+     "count into nonfinite (either may be None), for rows made in Python"},
     {"event_floor", sl_event_floor, METH_VARARGS,
      "event_floor(device, n) -> {what: ns per pair}: the driver's cost of timing, measured in C"},
     {"ring_nbytes", sl_ring_nbytes, METH_VARARGS,
@@ -75,7 +67,8 @@ static int exec_module(PyObject *module)
     if (rc || PyModule_AddIntConstant(module, "MAX_CELLS", SL_MAX_CELLS) ||
         PyModule_AddIntConstant(module, "HEADER_BYTES", SL_HEADER_BYTES) ||
         PyModule_AddIntConstant(module, "ROW_HEADER_WORDS", SL_ROW_HEADER_WORDS) ||
-        PyModule_AddIntConstant(module, "COLUMN_BLOCK", SL_COLUMN_BLOCK))
+        PyModule_AddIntConstant(module, "COLUMN_BLOCK", SL_COLUMN_BLOCK) ||
+        PyModule_AddIntConstant(module, "GATHER_NEW_COLUMN", SL_GATHER_NEW_COLUMN))
         return -1;
     PyObject *tag = PyLong_FromUnsignedLongLong(SL_CAPTURED_TAG);
     if (tag == NULL)

@@ -4,7 +4,10 @@
  *   Ring.copy_to(window)                            one async D2H copy of the ring + one event
  *   Window.wait()                                   completion, off the training thread
  *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, gpu_ns, values)
+ *   tally(rows, latest, nonfinite)                  the counts decode keeps, for Python's rows
  *
+ * `latest` and the NaN/Inf counts are kept here, on this side of the C/Python line only: decode
+ * updates them for the rows it makes, tally() for the rows the Python side makes.  *
  * Device memory (allocated by torch, handed to us as an address) is laid out as layout.h says:
  * a header of SL_HEADER_BYTES, then `capacity` rows of `row_words` 8-byte words. */
 #include "syncless.h"
@@ -105,7 +108,9 @@ static void Ring_dealloc(Ring *self)
 }
 
 /* Fill args->cell from a {name: value} dict; names map to columns through `columns`.
- * keep[] receives the tensors made by the resolver (a.n references at most, NULL or new). */
+ * keep[] receives the tensors made by the resolver (a.n references at most, NULL or new).
+ * Returns -1 with an exception set, 1 (no exception) when a name has no column in this ring
+ * yet (the Python side adds it, growing the ring if needed), else 0. */
 static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *columns,
                       launch_args *a, PyObject **keep)
 {
@@ -121,11 +126,8 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
             return -1;
         }
         PyObject *col = PyDict_GetItemWithError(columns, name); /* borrowed */
-        if (col == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetObject(PyExc_KeyError, name);
-            return -1;
-        }
+        if (col == NULL)
+            return PyErr_Occurred() ? -1 : 1;
         sl_metric m;
         if (sl_metric_read(st, name, value, &m, &keep[n]))
             return -1;
@@ -139,10 +141,8 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
             return -1;
         }
         m.cell.column = (uint32_t)PyLong_AsUnsignedLong(col);
-        if (m.cell.column >= self->columns) {
-            PyErr_SetObject(PyExc_KeyError, name); /* the Python side grows the ring */
-            return -1;
-        }
+        if (m.cell.column >= self->columns)
+            return 1; /* a column added since this ring was made: the Python side grows it */
         a->cell[n++] = m.cell;
     }
     return 0;
@@ -155,8 +155,10 @@ static void release(PyObject **keep, uint32_t n)
 }
 
 /* step: the call's step= (>= 0), or -1 for the header's next-step word (consecutive steps,
- * counted on the device, so CUDA graph replays take them too). Returns 1 when the launch was
- * captured into a CUDA graph, else 0. */
+ * counted on the device, so CUDA graph replays take them too). Returns True when the launch was
+ * captured into a CUDA graph, False when it ran eagerly, or GATHER_NEW_COLUMN (an int) when a
+ * metric has no column in this ring: nothing was launched, and a new metric's first call costs
+ * no exception (the Python side adds the column and calls again). */
 static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
@@ -172,9 +174,10 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     a.time = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    if (read_cells(st, self, args[0], args[1], &a, keep)) {
+    int cells = read_cells(st, self, args[0], args[1], &a, keep);
+    if (cells) {
         release(keep, a.n);
-        return NULL;
+        return cells < 0 ? NULL : PyLong_FromLong(SL_GATHER_NEW_COLUMN);
     }
 
     CUcontext prev;
@@ -353,7 +356,8 @@ static PyObject *Ring_get_capacity(Ring *self, void *closure)
 
 static PyMethodDef Ring_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))Ring_gather, METH_FASTCALL,
-     "gather(metrics, columns, tag, step, time) -> captured: enqueue one row (one launch)."},
+     "gather(metrics, columns, tag, step, time) -> True (captured), False (launched) or "
+     "GATHER_NEW_COLUMN (a metric has no column in this ring; nothing launched)."},
     {"clear", (PyCFunction)Ring_clear, METH_O,
      "clear(next_step): zero the ring on the current stream; log() without step= goes on from "
      "next_step."},
@@ -469,6 +473,22 @@ static PyObject *Window_ready(Window *self, PyObject *unused)
     Py_RETURN_TRUE;
 }
 
+/* nonfinite[name] += 1 */
+static int count_nonfinite(PyObject *nonfinite, PyObject *name)
+{
+    PyObject *old = PyDict_GetItemWithError(nonfinite, name); /* borrowed */
+    if (old == NULL && PyErr_Occurred())
+        return -1;
+    long count = old ? PyLong_AsLong(old) : 0;
+    PyObject *nc = PyLong_FromLong(count + 1);
+    if (nc == NULL || PyDict_SetItem(nonfinite, name, nc)) {
+        Py_XDECREF(nc);
+        return -1;
+    }
+    Py_DECREF(nc);
+    return 0;
+}
+
 /* A row_type instance (step, time, values); steals `values`, even on failure. */
 static PyObject *made_row(allocfunc alloc, PyTypeObject *type, int64_t step, double time,
                           PyObject *values)
@@ -557,16 +577,9 @@ static PyObject *Window_decode(Window *self, PyObject *args)
                 goto error;
             }
             Py_DECREF(v);
-            if (!isfinite(values[c])) {
-                PyObject *old = PyDict_GetItemWithError(nonfinite, name);
-                long count = old ? PyLong_AsLong(old) : 0;
-                PyObject *nc = PyLong_FromLong(count + 1);
-                if (nc == NULL || PyDict_SetItem(nonfinite, name, nc)) {
-                    Py_XDECREF(nc);
-                    Py_DECREF(d);
-                    goto error;
-                }
-                Py_DECREF(nc);
+            if (!isfinite(values[c]) && count_nonfinite(nonfinite, name)) {
+                Py_DECREF(d);
+                goto error;
             }
         }
         double time;
@@ -591,6 +604,49 @@ static PyObject *Window_decode(Window *self, PyObject *args)
 error:
     Py_DECREF(rows);
     return NULL;
+}
+
+/* tally(rows, latest, nonfinite): for rows made on the Python side (host rows, late values,
+ * rows with GPU-clock metrics), what decode does for its own: latest[name] = each metric's last
+ * value, nonfinite[name] += 1 per NaN/Inf value. rows: a list of dicts {name: float}, or of
+ * tuples holding one at index 2 (syncless.Row); latest or nonfinite may be None. */
+PyObject *sl_tally(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *rows, *latest, *nonfinite;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyList_Type, &rows, &latest, &nonfinite))
+        return NULL;
+    if ((latest != Py_None && !PyDict_Check(latest)) ||
+        (nonfinite != Py_None && !PyDict_Check(nonfinite))) {
+        PyErr_SetString(PyExc_TypeError, "tally(): latest and nonfinite must be dicts or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(rows);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *values = PyList_GetItem(rows, i); /* borrowed */
+        if (values != NULL && PyTuple_Check(values))
+            values = PyTuple_GetItem(values, 2);
+        if (values == NULL)
+            return NULL;
+        if (!PyDict_Check(values)) {
+            PyErr_SetString(PyExc_TypeError, "tally(): a row's values must be a dict");
+            return NULL;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *name, *v;
+        while (PyDict_Next(values, &pos, &name, &v)) {
+            if (latest != Py_None && PyDict_SetItem(latest, name, v))
+                return NULL;
+            if (nonfinite == Py_None)
+                continue;
+            double x = PyFloat_AsDouble(v);
+            if (x == -1.0 && PyErr_Occurred())
+                return NULL;
+            if (!isfinite(x) && count_nonfinite(nonfinite, name))
+                return NULL;
+        }
+    }
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef Window_methods[] = {

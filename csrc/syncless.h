@@ -215,7 +215,11 @@ int sl_metric_read(sl_state *st, PyObject *name, PyObject *value, sl_metric *out
 
 /* ring.c */
 int sl_ring_init_types(PyObject *module, sl_state *st);
+/* Ring.gather's answer when a metric has no column in the ring yet (nothing launched); the
+ * others are True (captured into a CUDA graph) and False (launched). */
+#define SL_GATHER_NEW_COLUMN 2
 PyObject *sl_ring_nbytes(PyObject *module, PyObject *args);
+PyObject *sl_tally(PyObject *module, PyObject *args);
 
 /* events.c: an event pair, also the record of one timed block (Python's Timing subclasses it;
  * timer.c makes them): host clock readings and the GPU reading once known (NaN until then). */

@@ -318,3 +318,20 @@ def test_a_user_sink_in_a_few_lines(device):
         for i in range(10):
             log(loss=scalar(float(i), device))
     assert totals.sum == {"loss": 45.0}
+
+
+def test_rows_is_the_public_home_of_row_reserved_names_and_the_sink_check(tmp_path):
+    """Integrations (Lightning's callback, a user's own adapter) check sinks and reserved names
+    the way Logger does, through syncless.rows."""
+    from syncless import rows
+    assert rows.Row is syncless.Row and rows.RESERVED == {"step", "time"}
+    sink = syncless.sinks.JSONL(tmp_path / "m.jsonl")
+    assert rows.check_sinks(sink) == [sink] and rows.check_sinks((sink,)) == [sink]
+    with pytest.raises(TypeError, match=r"sinks=\[syncless.sinks.JSONL\('m.jsonl'\)\]"):
+        rows.check_sinks("m.jsonl")
+    with pytest.raises(TypeError, match="has no write"):
+        rows.check_sinks([print])
+    sink.close()
+    for name in rows.RESERVED:
+        with syncless.Logger() as log, pytest.raises(ValueError, match="is reserved"):
+            log.log({name: 1.0})

@@ -326,3 +326,26 @@ def test_gpu_time_off_adds_nothing():
         log.flush()
         assert log.gpu_steps() == []
     assert [dict(r.values) for r in keep] == [{"x": 0.0}, {"x": 1.0}, {"x": 2.0}]
+
+
+def test_a_new_metric_is_answered_by_the_gather_not_raised_and_launches_nothing():
+    """A name without a column: Ring.gather says so (GATHER_NEW_COLUMN) and launches nothing,
+    so a new metric's first call costs no exception; the Logger adds the column (here past the
+    ring's first block, so the ring grows) and the row lands once, at its step."""
+    from syncless._torch import _C
+    sink = Collect()
+    log = syncless.Logger(every=1000, sinks=sink, device="cuda")
+    log(a=torch.ones((), device="cuda"))
+    ring = log._ring
+    x = torch.full((), 2.0, device="cuda")
+    assert ring.gather({"a": x, "new": x}, log._columns, 99, -1, 0.0) == _C.GATHER_NEW_COLUMN
+    assert not ring.wrote(99)                          # nothing launched
+    assert ring.gather({"a": x}, log._columns, 98, 5, 0.0) is False and ring.wrote(98)
+    wide = {f"m{i}": torch.full((), float(i), device="cuda") for i in range(70)}
+    log(step=6, **wide)                                # 70 new names: a wider ring
+    log(step=7, a=x, m69=x)
+    log.close()
+    assert [s for s, _ in sink.rows] == [0, 5, 6, 7]
+    assert sink.rows[2][1] == {f"m{i}": float(i) for i in range(70)}
+    assert sink.rows[3][1] == {"a": 2.0, "m69": 2.0}
+    assert log.stats.steps == 3 and log.stats.delivered == 4

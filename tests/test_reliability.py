@@ -100,6 +100,41 @@ def test_a_sink_calling_its_logger_gets_a_clear_error_not_a_hang(call):
 
 # ---- interrupts ---------------------------------------------------------------------------------
 
+def test_a_handler_landing_inside_the_window_pool_can_hand_over_on_the_same_thread():
+    """A signal handler runs after a call returns, so it can land inside Pool.reuse() or
+    give() while the training thread holds the pool's lock, and its flush() hands a window
+    over there too (delivery="caller" gives windows back on this thread). With a plain lock
+    the thread waited for itself: on an H200, the caller-delivery signal test hung in log().
+    Here the handler's work is run from inside reuse(), where a handler would: every window is
+    then accounted for once."""
+    from syncless._handover import Pool
+
+    class Win:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    pool = Pool(2)
+    a, b, c = Win(64), Win(64), Win(64)
+    seen, handled = [], []
+
+    class Free(list):
+        def pop(self, *args):
+            w = super().pop(*args)
+            if not handled:                        # the "handler", once: lock held here
+                handled.append(True)
+                seen.append(pool.reuse(64))        # its hand-over takes a window...
+                pool.give(c, ticket=1)             # ...and its delivery gives one back
+            return w
+
+    pool.free = Free([a, b])
+    got = []
+    worker = threading.Thread(target=lambda: got.append(pool.reuse(64)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the pool's lock is not re-entrant: the thread waits for itself"
+    assert got == [b] and seen == [a] and list(pool.free) == [c] and pool.given == 1
+
+
 def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
     gate = threading.Event()
     got = Collect()
@@ -116,7 +151,7 @@ def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
         # The first window blocks in the sink; the second flush (step 3) waits for a free
         # window. The SIGINT is sent once that wait has begun, however slow the host is.
         deadline = time.monotonic() + 60
-        while log._pool.waits == 0 and time.monotonic() < deadline:
+        while log.stats.waits == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGINT)
 
@@ -471,7 +506,7 @@ def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(dev
 
     def poke():
         deadline = time.monotonic() + 60
-        while log._pool.waits == 0 and time.monotonic() < deadline:
+        while log.stats.waits == 0 and time.monotonic() < deadline:
             time.sleep(0.005)
         signal.pthread_kill(main, signal.SIGUSR1)
         in_handler.wait(60)

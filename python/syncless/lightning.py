@@ -84,9 +84,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ._delivery import RESERVED
 from ._torch import MAX_CELLS
-from .logger import Logger, _check_sinks, check_max_delay
+from .logger import Logger, check_max_delay
+from .rows import RESERVED, check_sinks as _check_sinks
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 

@@ -6,34 +6,40 @@ The data path, top to bottom:
       -> _C.Ring.gather()       one kernel launch writes the row; no sync (CUDA metrics)
          or a host row          CPU tensors and numbers read at once (no GPU involved)
     every `every` calls:
-      -> _C.Ring.copy_to(win)   one async D2H copy of the ring into pinned memory + one event
+      -> _handover.Handover     one async D2H copy of the ring into a pinned window + one event
       -> _delivery.Delivery     on its own thread: waits on the event (sleeping, GIL released),
                                 decodes the rows and hands them to the sinks in step order;
                                 with delivery="caller", on this thread at the next flush, once
                                 the event says the copy landed (never waiting for it)
 
-This module is the training thread's side (schema, steps, ring, windows); `_delivery` is the
-other thread's. The training thread only waits when every pinned window is still undelivered
-(the sinks fell behind): then it waits for one rather than drop data (`stats.waits`).
+This module is the training thread's side (schema, steps, ring, capture); `_handover` owns the
+windows, backpressure and the driver, `_delivery` what happens to the rows after. The training
+thread only waits when every pinned window is still undelivered (the sinks fell behind): then it
+waits for one rather than drop data (`stats.waits`). How interrupts are kept from losing or
+repeating rows is told in `_handover`'s docstring.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
-import math
 import os
 import sys
 import _thread
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from types import FrameType
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, NoReturn, TypeVar
 
 import torch
 
 from . import _compile
-from ._delivery import RESERVED, Delivery, Pool, Row
+from ._delivery import Delivery
+from ._handover import CallerHandover, Handover, ThreadHandover
+from ._late import Late
 from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
+from .rows import RESERVED, Row, check_sinks
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
@@ -43,22 +49,14 @@ _COLUMN_BLOCK = _C.COLUMN_BLOCK      # the ring grows its columns in blocks of o
 
 # CUDA graphs that captured a gather keep writing into that ring on every replay, even after
 # the logger closed; keeping such rings alive (a few KB each) makes a late replay harmless.
-_captured_rings: list = []
+_captured_rings: list[torch.Tensor] = []
 _get_ident = threading.get_ident
 _UNOWNED, _SHARED = -1, -2                   # Logger._owner before the first call / threads=True
 _DELIVERING = -3                             # ... while delivery="caller" runs the sinks
 _live: "weakref.WeakSet[Logger]" = weakref.WeakSet()
 _INF = float("inf")
-
-# Interrupts. Nothing here blocks a signal or changes a handler (a thread inherits its creator's
-# mask, and every process a sink starts inherits its thread's). Python runs signal handlers (Ctrl-C,
-# a preemption handler that flushes or closes) on the main thread at a function's start, after a
-# call returns and at a loop's jump back, never inside a run of plain assignments. So a hand-over
-# submits first and then counts, in one such run, and a hand-over submitted twice (an interrupt
-# between the two, or a handler's flush() inside the first) delivers its rows once: a window's
-# decode starts at its generation's next sequence number, host rows are taken by list and count
-# (_delivery). The waits before a hand-over change nothing, so an interrupt there loses nothing.
-_NO_TIMEOUT = object()
+_NO_TIMEOUT: Any = object()
+_T = TypeVar("_T")
 
 
 class LoggerStats(NamedTuple):
@@ -66,7 +64,7 @@ class LoggerStats(NamedTuple):
     delivered: int                   # rows of those calls handed to the sinks
     windows: int                     # device-to-host copies (CUDA) or host windows handed over
     waits: int                       # times log() waited because every window was undelivered
-    nonfinite: dict                  # {metric: count of NaN/Inf values delivered}
+    nonfinite: dict[str, int]        # {metric: count of NaN/Inf values delivered}
     lost: int                        # rows overwritten before a flush (graph replays only)
     sink_errors: int                 # exceptions raised by sinks (each sink reported once)
     late_errors: int                 # attached values that failed, were refused or collided
@@ -75,10 +73,13 @@ class LoggerStats(NamedTuple):
 
 
 class _Generation:
-    """One device ring (it is replaced by a wider one when new metrics outgrow its columns)."""
+    """One device ring (it is replaced by a wider one when new metrics outgrow its columns),
+    with columns for `metrics` metrics at least, in whole blocks."""
 
-    def __init__(self, device: int, capacity: int, columns: int, next_step: int):
+    def __init__(self, device: int, capacity: int, metrics: int, next_step: int):
+        columns = max(_COLUMN_BLOCK, -(-metrics // _COLUMN_BLOCK) * _COLUMN_BLOCK)
         nbytes = _C.ring_nbytes(capacity, columns)
+        self.device = device
         self.memory = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
         self.ring = _C.Ring(device, self.memory.data_ptr(), capacity, columns)
         self.ring.clear(next_step)                           # async memsets, ordered first
@@ -89,14 +90,69 @@ class _Generation:
         self.current = True                                  # False once a wider ring replaced it
 
 
-class _Window:
-    __slots__ = ("pinned", "win", "nbytes")
+def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sinks_on: Any,
+                   delivery: Any) -> None:
+    for name, v in (("every", every), ("windows", windows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    check_max_delay(max_delay)
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise ValueError(f"capacity must be an int, got {capacity!r}")
+        if capacity < every:
+            raise ValueError(f"capacity ({capacity}) must hold at least one window "
+                             f"({every} rows)")
+    if sinks_on not in ("rank0", "all"):
+        raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
+    if delivery not in ("thread", "caller"):
+        raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
+                         f"sinks) or 'caller' (the logging thread does, at its flushes), "
+                         f"got {delivery!r}")
 
-    def __init__(self, device: int, nbytes: int):
-        # Pinned memory: an async copy into pageable memory would block the caller.
-        self.pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.win = _C.Window(device, self.pinned.data_ptr(), nbytes)
-        self.nbytes = nbytes
+
+def _check_step(given: Any) -> int:
+    step: int
+    if isinstance(given, bool):
+        raise TypeError(f"step must be an int, got the bool {given!r}")
+    if isinstance(given, int):
+        step = given
+    else:
+        if isinstance(given, torch.Tensor):
+            raise TypeError("step must be a Python int, got a tensor: reading it would sync "
+                            "the GPU; pass the loop's own int counter (or omit step)")
+        try:
+            step = int(given.__index__())        # numpy ints
+        except (AttributeError, TypeError):
+            raise TypeError(f"step must be an int, got {type(given).__name__}") from None
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def _check_name(name: Any, attached: bool = False) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"metric names must be str, got {name!r}")
+    if name in RESERVED:
+        fix = "pick another name" if attached else f"rename the metric, e.g. 'train/{name}'"
+        raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
+                         f"time (the JSONL and CSV sinks write them as fields); {fix}")
+
+
+def _make_reducer(reduce: str | Mapping[str, str]) -> Any:
+    from ._reduce import Reducer         # torch.distributed's side: only when asked for
+    return Reducer(reduce)
+
+
+def _cuda_index(device: str | int | torch.device | None) -> int | None:
+    """The CUDA device index of Logger(device=...), None for the CPU (or no device given)."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return dev.index if dev.index is not None else torch.cuda.current_device()
+    if dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {dev}")
+    return None
 
 
 def check_max_delay(max_delay: Any) -> None:
@@ -107,24 +163,110 @@ def check_max_delay(max_delay: Any) -> None:
                          f"{max_delay!r}")
 
 
-def _check_sinks(sinks: Any) -> list:
-    if hasattr(sinks, "write"):
-        return [sinks]
-    if isinstance(sinks, (str, bytes, os.PathLike)):
-        raise TypeError(f"sinks takes sink objects, got the path {sinks!r}; for a file write "
-                        f"sinks=[syncless.sinks.JSONL({os.fsdecode(sinks)!r})] (or sinks.CSV)")
-    try:
-        sinks = list(sinks)
-    except TypeError:
-        raise TypeError(f"sinks must be a sink (an object with write(rows)) or a list of them, "
-                        f"got {type(sinks).__name__}") from None
-    for s in sinks:
-        if not callable(getattr(s, "write", None)):
-            raise TypeError(f"sink {s!r} has no write(rows) method")
-    return sinks
+class _Readings:
+    """What a Logger shows its user: its settings (sinks, max_delay), what it delivered and how
+    (latest, stats, gpu_steps, the steps), and its refusal to be copied. Logger's own state,
+    read through properties so that the hot path keeps plain attributes."""
+    every: int
+    _closed: bool
+    _calls: int
+    _last_step: int
+    _device: int
+    _gen: _Generation | None
+    _max_delay: float
+    _max_delay_given: float | None
+    _delivery: Delivery
+    _handover: Handover
+
+    @property
+    def sinks(self) -> list[Any]:
+        return self._delivery.sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Iterable[Any]) -> None:
+        self._delivery.sinks = check_sinks(sinks)      # a new list: the next batch uses it
+
+    @property
+    def max_delay(self) -> float | None:
+        """Seconds after a window's first row at which the next call hands it over (None: no
+        bound). Settable; a new value applies from the next window.
+
+        A row reaches the sinks about `max_delay` after its call at the latest, even when
+        `every` calls take longer (slow steps): the first call at or past that time after the
+        window's first row hands the window over early, as the `every`-th call would (one copy,
+        no sync; the test is a comparison with the clock reading each call already makes). The
+        clock is only read in calls: rows logged before the loop stops calling (a long
+        evaluation) wait for the next call, flush() or close(); call `log.flush(wait=False)`
+        before such a pause to send them (no wait). With delivery="caller" rows reach the sinks
+        one flush later, so about twice `max_delay`. Calls inside torch.compile'd code and CUDA
+        graph replays are not bounded (no host code runs)."""
+        return self._max_delay_given
+
+    @max_delay.setter
+    def max_delay(self, max_delay: float | None) -> None:
+        check_max_delay(max_delay)
+        self._max_delay_given = max_delay
+        self._max_delay = _INF if max_delay is None else float(max_delay)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def last_step(self) -> int:
+        """The step of the last log() call; -1 before the first. Once a CUDA graph captured a
+        call (steps_on_device()), the last step the host assigned: replays and the eager calls
+        after them take steps counted on the GPU."""
+        return self._last_step
+
+    def steps_on_device(self) -> bool:
+        """True once a CUDA graph captured one of this logger's calls: from then on the GPU
+        counts the steps of calls without step= (every replay takes the next one) and the host
+        no longer knows the last one; `last_step` is then the last step the host assigned."""
+        return self._gen is not None and self._gen.captured
+
+    @property
+    def delivered_step(self) -> int:
+        """The step of the last row handed to the sinks; -1 before the first."""
+        return self._delivery.delivered_step
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The last delivered value of each metric (a few steps behind the loop)."""
+        return self._delivery.latest
+
+    def gpu_steps(self) -> list[tuple[int, float | None, float | None]]:
+        """[(step, gpu_ms, lag_ms)] for the recent delivered steps of a Logger(gpu_time=True)
+        (up to 8192; [] otherwise), read from the GPU timestamps of each step's last row.
+        gpu_ms: the GPU's time from the previous step's last row to this one's, per step when
+        steps were skipped (None for the first); the GPU's pace, whatever it spent it on.
+        lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
+        return self._delivery.clock.table()
+
+    @property
+    def stats(self) -> LoggerStats:
+        d, h = self._delivery, self._handover
+        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits, dict(d.nonfinite),
+                           d.lost, d.sink_errors, d.late.errors, len(d.missing))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._calls} steps"
+        return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
+
+    # A copy would share the queue and the sinks but not the step counters (two loggers
+    # writing one run with steps that go back), and a pickle cannot carry a thread, device
+    # buffers or open files: refused, with the fix, the moment anything tries.
+    def __copy__(self, *args: Any) -> NoReturn:
+        raise _not_copyable(self)
+
+    __deepcopy__ = __reduce_ex__ = __copy__
 
 
-class Logger:
+class Logger(_Readings):
     """Collect per-step metrics with zero host-device syncs and deliver them to sinks.
 
     >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
@@ -140,14 +282,8 @@ class Logger:
     far the GPU trails the CPU) to every row, and keeps the GPU clock per step (gpu_steps()).
 
     `max_delay` (seconds, default 2.0; None: no bound): a row reaches the sinks about
-    `max_delay` after its call at the latest, even when `every` calls take longer (slow steps):
-    the first call at or past that time after the window's first row hands the window over
-    early, as the `every`-th call would (one copy, no sync; the test is a comparison with the
-    clock reading each call already makes). The clock is only read in calls: rows logged
-    before the loop stops calling (a long evaluation) wait for the next call, flush() or
-    close(); call `log.flush(wait=False)` before such a pause to send them (no wait). With
-    delivery="caller" rows reach the sinks one flush later, so about twice `max_delay`. Calls
-    inside torch.compile'd code and CUDA graph replays are not bounded (no host code runs).
+    `max_delay` after its call at the latest, even when `every` calls take longer (see the
+    `max_delay` property).
 
     `delivery="thread"` (default): a thread of the logger's decodes the rows and calls the sinks.
     `delivery="caller"`: the logging thread does it itself, at each flush, for the copies that
@@ -158,10 +294,8 @@ class Logger:
     stops that sink there (the next flush goes on from the next sink, or from that one if it had
     not begun), so a sink that must not be cut short belongs to the default delivery.
 
-    `close_timeout` (seconds, default 30; None: no bound) is how long close() and interpreter
-    exit wait for late values (an attach() fn, a timer on a stream that never completes) and
-    device copies; what did not come by then is left out of the rows, counted in
-    `stats.missing` and named in one warning, and close() returns.
+    `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
+    exit wait for late values and device copies (see close()).
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
@@ -175,28 +309,10 @@ class Logger:
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
                  delivery: str = "thread", max_delay: float | None = 2.0,
                  close_timeout: float | None = 30.0):
-        for name, v in (("every", every), ("windows", windows)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        check_max_delay(max_delay)
-        if capacity is not None:
-            if isinstance(capacity, bool) or not isinstance(capacity, int):
-                raise ValueError(f"capacity must be an int, got {capacity!r}")
-            if capacity < every:
-                raise ValueError(f"capacity ({capacity}) must hold at least one window "
-                                 f"({every} rows)")
-        sinks = _check_sinks(sinks)
+        _check_options(every, windows, capacity, max_delay, sinks_on, delivery)
+        sinks = check_sinks(sinks)
         self.close_timeout = _check_timeout(close_timeout, "close_timeout")
-        if sinks_on not in ("rank0", "all"):
-            raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
-        if delivery not in ("thread", "caller"):
-            raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
-                             f"sinks) or 'caller' (the logging thread does, at its flushes), "
-                             f"got {delivery!r}")
-        self._reducer = None
-        if reduce is not None:
-            from ._reduce import Reducer
-            self._reducer = Reducer(reduce)
+        self._reducer = None if reduce is None else _make_reducer(reduce)
         self.rank = _rank()
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
@@ -206,40 +322,29 @@ class Logger:
         self.capacity = capacity or max(2 * every, 64)
         self._columns: dict[str, int] = {}
         self._names: list[str] = []
-        self._next_step = 0
-        self._last_step = -1
-        self._calls = 0
-        self._since_flush = 0
-        # _calls at the last copy of the ring: a handler's flush()/close() that lands between a
-        # gather and the `_since_flush` count after it must still copy that row.
-        self._copied_calls = 0
+        self._next_step, self._last_step = 0, -1
+        self._calls = self._since_flush = 0
         self._flush_due = False
         self._closed = False                  # log() refuses from here on
-        self._finished = False                # close() ran to its end
-        self._forked = False
+        self._finished = self._forked = False  # close() ran to its end; os.fork() closed it
         self._host_rows: list[Row] = []
         self._device = -1
         self._gen: _Generation | None = None
-        self._ring = None                     # self._gen.ring, kept at hand for the hot path
-        self._windows = 0
-        self._copying: _Window | None = None  # the window of a hand-over until its commit
-        self._parked: list[_Window] = []      # see _park
+        self._ring: Any = None                # self._gen.ring, kept at hand for the hot path
         # used by threads=True, flush() and close(); re-entrant, for a signal handler's flush()
         self._lock = threading.RLock()
         self._owner = _SHARED if threads else _UNOWNED
         self._shared = bool(threads)
-        self._pool = Pool(windows)
-        self._delivery = Delivery(sinks, self._names, self._pool, bool(gpu_time),
-                                  caller=delivery == "caller")
+        self._delivery = Delivery(sinks, self._names, bool(gpu_time))
+        self._handover = ThreadHandover(self._delivery, windows, self._lock) \
+            if delivery == "thread" else \
+            CallerHandover(self._delivery, windows, self._lock, _unowned(self))
         self._pid = os.getpid()
         _live.add(self)
         _compile.track(self)
-        if device is not None:
-            dev = torch.device(device)
-            if dev.type == "cuda":
-                self._bind(dev.index if dev.index is not None else torch.cuda.current_device())
-            elif dev.type != "cpu":
-                raise ValueError(f"device must be cpu or cuda, got {dev}")
+        index = _cuda_index(device)
+        if index is not None:
+            self._bind(index)
 
     # ---- the hot path ------------------------------------------------------------------------
 
@@ -261,9 +366,10 @@ class Logger:
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log one row: {name: value} at `step` (default: the step after the last one)."""
         if _compile.tracing():               # inside torch.compile: one custom op in the graph
-            return _compile.log(self, metrics, step)
+            _compile.log(self, metrics, step)
+            return
         if self._closed:
-            self._delivery.refuse_on_thread("log()")
+            self._handover.refuse_on_thread("log()")
             self._refuse_closed()
         if type(metrics) is not dict:
             metrics = dict(metrics)
@@ -284,16 +390,21 @@ class Logger:
             self._refuse_closed()
         # Counted before the launch: a signal that arrived during the C call is handled as it
         # returns, and the exception its handler raises must find the row counted (else the
-        # host would trail the ring by a step). A gather that raised before it launched (a new
-        # metric, a bad value) takes the call back in _gather_failed.
+        # host would trail the ring by a step). A gather that raised before it launched (a bad
+        # value) takes the call back; one that found a new metric launched nothing and says so.
         self._calls, self._next_step, self._last_step = calls + 1, step + 1, step
         try:
             captured = ring.gather(metrics, self._columns, calls, given, now)
         except BaseException:
-            captured = self._gather_failed(ring, metrics, (calls, nxt, last), given, now, step)
+            if not ring.wrote(calls):
+                self._calls, self._next_step, self._last_step = calls, nxt, last
+            raise
         if captured:
-            self._gen.captured = True
-            return                                   # nothing else may happen under capture
+            if captured is not True:                 # _C.GATHER_NEW_COLUMN
+                captured = self._new_metric(metrics, (calls, nxt, last), step, given, now)
+            if captured:
+                self._gen.captured = True            # type: ignore[union-attr]
+                return                               # nothing else may happen under capture
         since = self._since_flush
         if not since:                                # the window's first row sets its deadline
             self._deadline = -_INF if self._flush_due else now + self._max_delay
@@ -301,40 +412,39 @@ class Logger:
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    def _gather_failed(self, ring: Any, metrics: dict, before: tuple, given: int, now: float,
-                       step: int) -> bool:
-        """The gather of a call counted in advance raised (called from its except clause)."""
-        if ring.wrote(before[0]):
-            raise                            # after the launch (an interrupt): the row stands
+    def _new_metric(self, metrics: dict[str, Any], before: tuple[int, int, int], step: int,
+                    given: int, now: float) -> bool:
+        """The hot path's gather found a metric without a column (nothing launched): the call
+        is taken back, the column added (the ring may grow), and the gather made again."""
         self._calls, self._next_step, self._last_step = before
-        if not isinstance(sys.exc_info()[1], KeyError):
-            raise
-        self._add_columns(metrics)           # a new metric: its column, maybe a wider ring
+        self._add_columns(metrics)
         return self._launch(metrics, step, given, now)
 
-    def _launch(self, metrics: dict, step: int, given: int, now: float) -> bool:
-        """The hot path's counting and gather on the current ring, for its slow paths."""
+    def _launch(self, metrics: dict[str, Any], step: int, given: int, now: float) -> bool:
+        """The hot path's counting and gather on the current ring, for its slow paths, once
+        every metric has its column."""
         ring, before = self._ring, (self._calls, self._next_step, self._last_step)
         self._calls, self._next_step, self._last_step = before[0] + 1, step + 1, step
         try:
-            return ring.gather(metrics, self._columns, before[0], given, now)
+            captured = ring.gather(metrics, self._columns, before[0], given, now)
         except BaseException:
             if not ring.wrote(before[0]):
                 self._calls, self._next_step, self._last_step = before
             raise
+        if captured is True or captured is False:
+            return captured
+        self._calls, self._next_step, self._last_step = before
+        raise RuntimeError(f"syncless: metrics {sorted(metrics)} have no column in the "
+                           "logger's device ring after it was widened (a bug: please report)")
 
-    def _log_from_elsewhere(self, metrics: dict, step: int | None) -> None:
+    def _log_from_elsewhere(self, metrics: dict[str, Any], step: int | None) -> None:
         """The first call (which makes its thread the owner), a call from another thread, or
         any call of a Logger(threads=True), which serialises them all under one lock."""
-        self._delivery.refuse_on_thread("log()")
+        self._handover.refuse_on_thread("log()")
         owner = self._owner
         if self._shared:
             with self._lock:
-                self._owner = _get_ident()
-                try:
-                    self.log(metrics, step)
-                finally:
-                    self._owner = _SHARED
+                self._owned_by(_get_ident(), self.log, metrics, step)
             return
         if owner != _UNOWNED:
             raise RuntimeError(
@@ -344,6 +454,16 @@ class Logger:
                 "serialise calls from every thread under a lock.")
         self._owner = _get_ident()
         self.log(metrics, step)
+
+    def _owned_by(self, owner: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args) with `owner` as the thread the hot path takes for its own: the caller of a
+        Logger(threads=True), or none while delivery="caller" runs the sinks (a sink's log() is
+        then refused as a call from elsewhere, and never recurses)."""
+        before, self._owner = self._owner, owner
+        try:
+            return fn(*args)
+        finally:
+            self._owner = before
 
     def attach(self, name: str, resolve: Callable[[], float], step: int | None = None) -> None:
         """Add a value that becomes known later to the row of `step` (default: the last logged
@@ -363,11 +483,7 @@ class Logger:
         waits for a value `close_timeout` seconds at most (see Logger)."""
         if self._closed:
             self._refuse_closed()
-        if not isinstance(name, str):
-            raise TypeError(f"metric names must be str, got {name!r}")
-        if name in RESERVED:
-            raise ValueError(f"metric name {name!r} is reserved: every row has its own step and "
-                             "time; pick another name")
+        _check_name(name, attached=True)
         if name in self._columns:
             raise ValueError(f"metric {name!r} is written by log(); an attached value under the "
                              "same name would be mixed into it: attach it under another name "
@@ -378,14 +494,8 @@ class Logger:
             self._refuse_device_steps("attach() without step=")
             step = self._last_step
         else:
-            step = self._check_step(step)
-        self._delivery.attach(max(step, 0), name, resolve)
-
-    def steps_on_device(self) -> bool:
-        """True once a CUDA graph captured one of this logger's calls: from then on the GPU
-        counts the steps of calls without step= (every replay takes the next one) and the host
-        no longer knows the last one; `last_step` is then the last step the host assigned."""
-        return self._gen is not None and self._gen.captured
+            step = _check_step(step)
+        self._handover.attach(Late(max(step, 0), name, resolve))
 
     def _refuse_device_steps(self, what: str) -> None:
         if self.steps_on_device():
@@ -400,7 +510,7 @@ class Logger:
                                "a new Logger in the child to log from it")
         raise ValueError("this Logger is closed; create a new one to log again")
 
-    def _log_host(self, metrics: dict, step: int) -> None:
+    def _log_host(self, metrics: dict[str, Any], step: int) -> None:
         """Before any CUDA metric: values are read now and kept as host rows."""
         if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
             raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
@@ -436,40 +546,21 @@ class Logger:
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    @staticmethod
-    def _check_step(step: Any) -> int:
-        if isinstance(step, bool):
-            raise TypeError(f"step must be an int, got the bool {step!r}")
-        if not isinstance(step, int):
-            if isinstance(step, torch.Tensor):
-                raise TypeError("step must be a Python int, got a tensor: reading it would sync "
-                                "the GPU; pass the loop's own int counter (or omit step)")
-            try:
-                step = int(step.__index__())         # numpy ints
-            except (AttributeError, TypeError):
-                raise TypeError(f"step must be an int, got {type(step).__name__}") from None
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return step
-
-    def _take_step(self, step: Any) -> int:
-        step = self._check_step(step)
+    def _take_step(self, given: Any) -> int:
+        step = _check_step(given)
         if step < self._last_step:
             raise ValueError(f"step {step} is before the last logged step {self._last_step}; "
                              "steps must not go backwards")
         return step
 
     def _add_columns(self, metrics: Mapping[str, Any]) -> None:
-        for name in metrics:
-            if not isinstance(name, str):
-                raise TypeError(f"metric names must be str, got {name!r}")
-            if name in RESERVED:
-                raise ValueError(f"metric name {name!r} is reserved: every row has its own step "
-                                 "and time (the JSONL and CSV sinks write them as fields); "
-                                 f"rename the metric, e.g. 'train/{name}'")
         new = [n for n in metrics if n not in self._columns]
+        if not new:
+            return                           # (the host path's every call: keep it short)
+        for name in new:                     # names with a column passed this already
+            _check_name(name)
         if self._gen is not None and len(self._names) + len(new) > self._gen.ring.columns:
-            self._grow(len(self._names) + len(new))
+            self._grow(self._gen, len(self._names) + len(new))
         for name in new:
             self._columns[name] = len(self._names)
             self._names.append(name)
@@ -486,13 +577,11 @@ class Logger:
                     "its device ring must be allocated before capture. Call log() once before "
                     "capturing (warm-up), or create the logger with device='cuda'.")
             self._hand_over_host_rows()
-            columns = max(_COLUMN_BLOCK, -(-len(self._names) // _COLUMN_BLOCK) * _COLUMN_BLOCK)
-            gen = _Generation(device, self.capacity, columns, self._next_step)
+            gen = _Generation(device, self.capacity, len(self._names), self._next_step)
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
 
-    def _grow(self, needed: int) -> None:
-        gen = self._gen
+    def _grow(self, gen: _Generation, needed: int) -> None:
         if gen.captured:
             raise ValueError(
                 f"cannot add metric #{needed}: the ring is full and a CUDA graph captured it, so "
@@ -504,116 +593,46 @@ class Logger:
             wider = _Generation(self._device, self.capacity, columns, self._next_step)
             # gen's windows are too small now: let them go (current False); one statement.
             gen.current, self._gen, self._ring = False, wider, wider.ring
-            self._pool.free = {}
 
     def _flush_window(self) -> None:
-        """Hand the rows since the last flush to the delivery thread. Never waits on the GPU,
-        only for a free window (backpressure)."""
+        """Hand the rows since the last flush over. Never waits on the GPU, only for a free
+        window (backpressure)."""
         self._flush_due = False
-        if self._gen is None:
+        gen = self._gen
+        if gen is None:
             self._hand_over_host_rows()
             return
-        if self._since_flush == 0 and self._calls == self._copied_calls \
-                and not self._gen.captured:
+        calls = self._calls
+        if self._since_flush == 0 and calls == self._handover.sent_calls and not gen.captured:
             return
-        gen = self._gen
-        ring = gen.ring
         with torch.cuda.device(self._device):
-            if ring.capturing():
+            if gen.ring.capturing():
                 # No copies inside a capture: the next eager call hands the window over.
                 self._flush_due, self._deadline = True, -_INF
                 return
-            self._wait_for_window()
-            if self._delivery.caller:
-                self._deliver_here()             # the windows landed: rows out, windows back
-            if self._copying is not None or self._parked:
-                self._park()
-            w = self._pool.reuse()
-            if w is None:
-                w = _Window(self._device, gen.nbytes)
-            self._copying = w
-            if self._reducer is not None:    # enqueued before the copy, same stream
-                self._reducer.reduce_ring(gen.memory, ring.capacity, ring.columns, self._names)
-            ring.copy_to(w.win)
-            ticket = self._pool.taken + 1
-            self._delivery.submit_window(gen, w, time.time(), ticket)
-            self._since_flush = 0                # the counts: plain assignments (see above)
-            self._copied_calls = self._calls
-            self._windows += 1
-            self._pool.taken = ticket
-            self._copying = None
-
-    def _park(self) -> None:
-        """A hand-over an interrupt cut short after its copy may have left its window out of
-        every job, with the copy still writing into it: kept alive until that copy is done
-        (freed pinned memory goes back to torch's cache, which knows nothing of our copy)."""
-        if self._copying is not None:
-            self._parked.append(self._copying)
-            self._copying = None
-        self._parked = [w for w in self._parked if not w.win.ready()]
+            reduce = None if self._reducer is None else functools.partial(
+                self._reducer.reduce_ring, gen.memory, gen.ring.capacity, gen.ring.columns,
+                self._names)
+            self._handover.send_window(gen, calls, reduce)
+        # After an interrupt between the hand-over and this count, the next flush sends a copy
+        # again: its decode starts after the rows delivered, so nothing comes twice.
+        self._since_flush = 0
 
     def _hand_over_host_rows(self) -> None:
         rows = self._host_rows
         if not rows:
             return
-        n = len(rows)
         out = rows if self._reducer is None else self._reducer.reduce_rows(rows, self._names)
-        self._wait_for_window()              # may wait; an interrupt here loses nothing
-        ticket = self._pool.taken + 1
-        self._delivery.submit_rows(rows, n, out, ticket)
-        self._host_rows = []                 # the counts: plain assignments (see above)
+        self._handover.send_rows(rows, out, self._calls)
+        self._host_rows = []                 # handed over again after an interrupt: see above
         self._since_flush = 0
-        self._copied_calls = self._calls
-        self._windows += 1
-        self._pool.taken = ticket
-        if self._delivery.caller:
-            self._deliver_here()             # host rows need no copy: out at once
-
-    def _wait_for_window(self) -> None:
-        """Backpressure before a hand-over: wait while every window is undelivered. The
-        delivery thread frees them; with delivery="caller" the oldest copies are waited for
-        here and delivered by the hand-over's _deliver_here. Nothing changes while it waits."""
-        d = self._delivery
-        if not d.caller:
-            self._pool.wait()
-            return
-        over = d.pending() - self._pool.limit + 1
-        if over > 0:
-            self._pool.waits += 1
-            d.wait_landed(over)
-
-    def _deliver_here(self, upto: float | None = None) -> None:
-        """delivery="caller": run the pending jobs whose copies landed (upto given: all of
-        them, then the drain up to that step). Meanwhile the logger has no owner, so a sink's
-        log() is refused as a call from elsewhere, and never recurses."""
-        owner, self._owner = self._owner, _DELIVERING
-        try:
-            if upto is None:
-                self._delivery.pump()
-            else:
-                self._delivery.pump(wait=True)
-                self._delivery.finish(upto)
-        finally:
-            self._owner = owner
-
-    def _drain(self, upto: float, deadline: float | None = None) -> bool:
-        """Return once every row handed over reached the sinks, and the sinks were flushed
-        (False: the thread did not get there by `deadline`)."""
-        d = self._delivery
-        if not d.caller:
-            return d.drain(upto, deadline)
-        d.refuse_on_thread("flush() or close()")
-        with self._lock:                     # the sinks run on this thread: one at a time
-            d.wait_landed(d.pending())       # interruptible; nothing changes meanwhile
-            self._deliver_here(upto)
-        return True
 
     # ---- draining ----------------------------------------------------------------------------
 
     def flush(self, wait: bool = True) -> None:
         """Hand over every row logged so far; with wait=True (default), return once the sinks
         have them. wait=False only enqueues the copy (useful between CUDA graph replays)."""
-        self._delivery.refuse_on_thread("flush()")
+        self._handover.refuse_on_thread("flush()")
         if self._closed:
             if not self._finished and wait:
                 self.close()                 # a close() an interrupt cut short: finish it
@@ -624,16 +643,17 @@ class Logger:
             self._flush_window()
             upto = self._last_step
         if wait:
-            self._drain(upto)
+            self._handover.drain(upto)
 
     def close(self, timeout: Any = _NO_TIMEOUT) -> None:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent, and
         resumable: a close() an interrupt cut short (a second Ctrl-C) is finished by the next
         call, or at interpreter exit. Late values (attach(), timers) and device copies are
         waited for `timeout` seconds at most (default: the Logger's close_timeout, 30 s; None:
-        no bound); those that did not come are left out, counted in stats.missing and named in
-        one warning."""
-        self._delivery.refuse_on_thread("close()")
+        no bound): an attach() fn, a timer on a stream that never completes, a copy that never
+        lands. Those that did not come by then are left out of the rows, counted in
+        stats.missing and named in one warning, and close() returns."""
+        self._handover.refuse_on_thread("close()")
         if self._finished:
             return
         timeout = self.close_timeout if timeout is _NO_TIMEOUT else _check_timeout(timeout)
@@ -644,14 +664,10 @@ class Logger:
                 raise RuntimeError("close() inside CUDA graph capture: close after capture ends")
             # From here on late values are waited for until the deadline at most (with
             # delivery="caller", the hand-over below already delivers).
-            d.deadline = None if timeout is None else time.monotonic() + timeout
+            self._handover.start_closing(timeout)
             self._closed = True
             self._flush_window()
-        done = self._drain(math.inf, d.deadline) and d.stop(d.deadline)
-        if not done and not d.take_over(grace=max(1.0, timeout or 0.0)):
-            _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "
-                       "rows still queued were not delivered", timeout)
-        d.close_sinks()
+        self._handover.close(timeout)       # deliver, stop the driver, close the sinks
         if self._gen is not None and self._gen.captured:
             _captured_rings.append(self._gen.memory)
         self._gen = self._ring = None
@@ -669,144 +685,15 @@ class Logger:
         self.close()
 
     def __del__(self) -> None:
-        # A Logger dropped without close() (a local in a function) still delivers its rows;
-        # one that reduces across ranks cannot (closing is a collective every rank must join).
-        if getattr(self, "_finished", True) or getattr(self, "_pid", None) != os.getpid():
-            return
-        if self._reducer is not None:
-            pending = self._calls - self._delivery.delivered
-            if pending:
-                _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d "
-                             "rows (steps after %d) were not delivered; close it on every rank",
-                             pending, self._delivery.delivered_step)
-            self._closed = self._finished = True
-            self._delivery.stop()
-            return
-        # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored
-        # in"), and this logger, unreachable, is out of the exit hook's reach: finish the close,
-        # then hand the interrupt back to the main thread once this finalizer has returned (a
-        # handler tripped now would run in it again: a few ms later, from a thread).
-        interrupted = False
-        for _ in range(3):
-            try:
-                self.close()
-                break
-            except KeyboardInterrupt:
-                interrupted = True
-            except Exception as exc:
-                _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
-                break
-        if interrupted:
-            threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
-                             daemon=True).start()
-
-    def _after_fork_in_child(self) -> None:
-        """The child of os.fork() inherits this object but not its delivery thread, and its
-        rows belong to the parent: it must neither deliver them again nor wait for a thread
-        that does not run. It becomes a closed logger that says why."""
-        self._lock = threading.RLock()
-        self._owner = _UNOWNED
-        self._pool = Pool(self._pool.limit)
-        self._delivery.forget()
-        self._host_rows = []
-        self._gen = self._ring = None
-        self._since_flush = 0
-        self._closed = self._finished = self._forked = True
-        _live.discard(self)
-
-    # ---- what users read ---------------------------------------------------------------------
-
-    @property
-    def sinks(self) -> list:
-        return self._delivery.sinks
-
-    @sinks.setter
-    def sinks(self, sinks: Iterable[Any]) -> None:
-        self._delivery.sinks = _check_sinks(sinks)     # a new list: the next batch uses it
-
-    @property
-    def max_delay(self) -> float | None:
-        """Seconds after a window's first row at which the next call hands it over (None: no
-        bound). Settable; a new value applies from the next window."""
-        return self._max_delay_given
-
-    @max_delay.setter
-    def max_delay(self, max_delay: float | None) -> None:
-        check_max_delay(max_delay)
-        self._max_delay_given = max_delay
-        self._max_delay = _INF if max_delay is None else float(max_delay)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def last_step(self) -> int:
-        """The step of the last log() call; -1 before the first. Once a CUDA graph captured a
-        call (steps_on_device()), the last step the host assigned: replays and the eager calls
-        after them take steps counted on the GPU."""
-        return self._last_step
-
-    @property
-    def delivered_step(self) -> int:
-        """The step of the last row handed to the sinks; -1 before the first."""
-        return self._delivery.delivered_step
-
-    @property
-    def latest(self) -> dict:
-        """The last delivered value of each metric (a few steps behind the loop)."""
-        return self._delivery.latest
-
-    def gpu_steps(self) -> list[tuple[int, float | None, float | None]]:
-        """[(step, gpu_ms, lag_ms)] for the recent delivered steps of a Logger(gpu_time=True)
-        (up to 8192; [] otherwise), read from the GPU timestamps of each step's last row.
-        gpu_ms: the GPU's time from the previous step's last row to this one's, per step when
-        steps were skipped (None for the first); the GPU's pace, whatever it spent it on.
-        lag_ms: how far the GPU trailed the host at that row (None for a graph replay)."""
-        out, prev = [], None
-        for step, ns, lag in list(self._delivery.gpu_steps):   # one C call: never torn
-            gpu = None
-            if prev is not None and step > prev[0]:
-                gpu = (ns - prev[1]) / 1e6 / (step - prev[0])
-            out.append((step, gpu, lag))
-            prev = (step, ns)
-        return out
-
-    @property
-    def stats(self) -> LoggerStats:
-        d = self._delivery
-        return LoggerStats(self._calls, d.delivered, self._windows, self._pool.waits,
-                           dict(d.nonfinite), d.lost, d.sink_errors, d.late_errors,
-                           len(d.missing))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self._calls} steps"
-        return f"<syncless.Logger on {self.device}, every={self.every}, {state}>"
-
-    # ---- copies ------------------------------------------------------------------------------
-    # A copy would share the queue and the sinks but not the step counters (two loggers
-    # writing one run with steps that go back), and a pickle cannot carry a thread, device
-    # buffers or open files: refused, with the fix, the moment anything tries.
-
-    def __copy__(self) -> "Logger":
-        raise _not_copyable(self)
-
-    def __deepcopy__(self, memo: dict) -> "Logger":
-        raise _not_copyable(self)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise _not_copyable(self)
+        _finalize(self)
 
 
-def _not_copyable(log: Logger) -> TypeError:
+
+def _not_copyable(log: object) -> TypeError:
     """The error for a copy or pickle of `log`, naming where it is held when the caller is a
     deepcopy (the attribute or key holding it) or Lightning's save_hyperparameters()."""
     held, owner, lightning = None, None, False
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         local = frame.f_locals
         code = frame.f_code
@@ -840,6 +727,55 @@ def _not_copyable(log: Logger) -> TypeError:
                      "state_dict()")
 
 
+def _unowned(log: Logger) -> Callable[[Callable[[], None]], None]:
+    """For CallerHandover: run its deliveries with `log` owned by no thread (see _owned_by).
+    A weak reference: the Logger stays free of cycles, so one dropped without close() is
+    closed by its finalizer at once."""
+    ref = weakref.ref(log)
+
+    def unowned(fn: Callable[[], None]) -> None:
+        log = ref()
+        if log is None:                      # a finalizer run by the cycle collector
+            fn()
+        else:
+            log._owned_by(_DELIVERING, fn)
+    return unowned
+
+
+def _finalize(log: Logger) -> None:
+    """Logger.__del__. A Logger dropped without close() (a local in a function) still delivers
+    its rows; one that reduces across ranks cannot (closing is a collective every rank must
+    join)."""
+    if getattr(log, "_finished", True) or getattr(log, "_pid", None) != os.getpid():
+        return
+    if log._reducer is not None:
+        pending = log._calls - log._delivery.delivered
+        if pending:
+            _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d rows "
+                         "(steps after %d) were not delivered; close it on every rank",
+                         pending, log._delivery.delivered_step)
+        log._closed = log._finished = True
+        log._handover.stop()
+        return
+    # A Ctrl-C landing in a finalizer would be printed and dropped ("Exception ignored in"),
+    # and this logger, unreachable, is out of the exit hook's reach: finish the close, then
+    # hand the interrupt back to the main thread once this finalizer has returned (a handler
+    # tripped now would run in it again: a few ms later, from a thread).
+    interrupted = False
+    for _ in range(3):
+        try:
+            log.close()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:
+            _log.error("syncless: closing a Logger dropped without close() failed: %s", exc)
+            break
+    if interrupted:
+        threading.Thread(target=_interrupt_main_soon, name="syncless-interrupt",
+                         daemon=True).start()
+
+
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -851,8 +787,18 @@ def _interrupt_main_soon() -> None:
 
 
 def _forked_child() -> None:
+    """The child of os.fork() inherits each Logger but not its delivery thread, and their rows
+    belong to the parent: it must neither deliver them again nor wait for a thread that does
+    not run. Each becomes a closed logger that says why."""
     for log in list(_live):
-        log._after_fork_in_child()
+        log._lock = threading.RLock()
+        log._owner = _UNOWNED
+        log._handover.forget(log._lock)
+        log._host_rows = []
+        log._gen = log._ring = None
+        log._since_flush = 0
+        log._closed = log._finished = log._forked = True
+        _live.discard(log)
 
 
 os.register_at_fork(after_in_child=_forked_child)
