@@ -44,10 +44,12 @@ __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report"]
 
 _log = logging.getLogger("syncless")
 
-_CPU = -1
-_CUDA_CURRENT = -2                  # device="cuda": whichever device is current at each use
-_AUTO = -3                          # no device given: CUDA's current device once it is up
-_AFTER, _BEFORE = 1, 2              # TimerBase._hooks: call Timer._after / _before
+# TimerBase's modes and hook bits, defined in csrc/timer.c.
+_CPU = _C.TIMER_CPU
+_CUDA_CURRENT = _C.TIMER_CUDA       # device="cuda": whichever device is current at each use
+_AUTO = _C.TIMER_AUTO               # no device given: CUDA's current device once it is up
+_AFTER = _C.TIMER_AFTER             # TimerBase._hooks: call Timer._after at exit
+_BEFORE = _C.TIMER_BEFORE           # ... and Timer._before at entry
 _COLLECT_EVERY = 256                # read finished event pairs of a named timer in batches
 _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50 MB)
 
