@@ -31,7 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ._torch import MAX_CELLS     # the gather kernel's cells per log() call
-from .logger import Logger, check_max_delay
+from ._checks import ADAPTER_EVERY, check_every, check_max_delay
+from .logger import Logger
 
 _log = logging.getLogger("syncless")
 
@@ -43,12 +44,6 @@ _PART = object()                   # a row holding the first cells of a wider re
 _columns: list[str] = [str(i) for i in range(MAX_CELLS)]
 _columns_lock = threading.Lock()
 _good_names: set[str] = set()      # names check_name() passed
-
-
-def check_every(every: Any, max_delay: Any) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, got {every!r}")
-    check_max_delay(max_delay)
 
 
 def check_name(name: Any, what: str = "metric") -> None:
@@ -115,12 +110,11 @@ class Deferred:
 
     def __init__(self, replay: Callable[[Any, list, Any, float], None],
                  describe: Callable[[Any], tuple[str, str]], failures: Failures,
-                 every: int = 50, max_delay: float | None = 2.0,
+                 every: int = ADAPTER_EVERY, max_delay: float | None = 2.0,
                  step_name: str = "step", step_of: Callable[[Any], Any] | None = None,
                  step_tensor: Callable[[torch.Tensor], None] | None = None):
-        check_every(every, max_delay)
-        self.every = every
-        self.max_delay = max_delay          # the private Logger's: rows handed over that late
+        self.every = check_every(every)
+        self.max_delay = check_max_delay(max_delay)          # the private Logger's: rows handed over that late
         self.failures = failures
         self._replay = replay
         self._describe = describe

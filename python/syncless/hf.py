@@ -89,6 +89,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ._checks import ADAPTER_EVERY, check_every
 from .logger import Logger
 
 __all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
@@ -135,7 +136,8 @@ def _is_trainer(cls: type) -> bool:
 class SynclessTrainerMixin:
     """Mix into any `transformers.Trainer` subclass, first: `class T(SynclessTrainerMixin, X)`.
 
-    syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger).
+    syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger;
+        default 50, a positive int).
     syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
     syncless_every_step: False skips the per-step Logger (a gather kernel per step);
         `trainer.syncless` is then None and the logging steps are all that is recorded.
@@ -161,13 +163,11 @@ class SynclessTrainerMixin:
                             f"SynclessTrainerMixin, {mro[1].__name__})); after it, it is "
                             "never called")
 
-    def __init__(self, *args: Any, syncless_every: int = 50,
+    def __init__(self, *args: Any, syncless_every: int = ADAPTER_EVERY,
                  syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
                  syncless_log_at_step: bool | None = None,
                  syncless_non_blocking: bool | None = None, **kwargs: Any):
-        if isinstance(syncless_every, bool) or not isinstance(syncless_every, int) \
-                or syncless_every < 1:
-            raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
+        check_every(syncless_every, "syncless_every")
         if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
             raise ValueError(f"syncless_log_at_step must be True, False or None, got "
                              f"{syncless_log_at_step!r}")

@@ -86,7 +86,8 @@ import torch
 
 from ._delivery import RESERVED
 from ._torch import MAX_CELLS
-from .logger import Logger, _check_sinks, check_max_delay
+from ._checks import LIGHTNING_EVERY, check_every, check_max_delay, check_sinks
+from .logger import Logger
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 
@@ -173,7 +174,8 @@ def _build(pkg_name: str) -> type:
     class SynclessLogging(pl.Callback):
         """Route on-step `self.log` values through a syncless Logger (see the module docstring).
 
-        every: batches per device-to-host copy (how late the progress bar and loggers are).
+        every: batches per device-to-host copy (how late the progress bar and loggers are;
+            default 16, a positive int).
         max_delay: seconds after which a batch's values are copied back anyway, when `every`
             batches take longer (the Logger's max_delay; None: only every `every` batches).
             The first batch of each fit is copied back at once, so the progress bar shows a
@@ -188,17 +190,14 @@ def _build(pkg_name: str) -> type:
             callback can serve several fits): close them when you are done.
         """
 
-        def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = (),
+        def __init__(self, every: int = LIGHTNING_EVERY, sinks: Iterable[Any] | Any = (),
                      max_delay: float | None = 0.5):
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
+            self.every = check_every(every, "SynclessLogging: every")
             try:
-                check_max_delay(max_delay)
+                self.max_delay = check_max_delay(max_delay)
             except ValueError as exc:
                 raise ValueError(f"SynclessLogging: {exc}") from None
-            self.every = every
-            self.max_delay = max_delay
-            self._user_sinks = _check_sinks(sinks)   # the Logger's own checks, at once
+            self._user_sinks = check_sinks(sinks)    # the Logger's own checks, at once
             self.syncless: Logger | None = None
             self._rows = _Rows()
             self._module: Any = None

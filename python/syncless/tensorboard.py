@@ -32,6 +32,7 @@ except ImportError as exc:                       # torch raises this when tensor
     raise ImportError("syncless.tensorboard needs tensorboard: "
                       "pip install syncless[tensorboard]") from exc
 
+from ._checks import ADAPTER_EVERY
 from ._deferred import Deferred, Failures
 
 __all__ = ["SummaryWriter", "ScalarShapeError"]
@@ -134,7 +135,8 @@ class SummaryWriter(_TorchWriter):
     """`torch.utils.tensorboard.SummaryWriter` whose add_scalar and add_scalars take CUDA tensors
     without a sync. Same constructor, plus:
 
-    every: rows per device-to-host copy (one copy per `every` scalar calls).
+    every: rows per device-to-host copy (one copy per `every` scalar calls; default 50, a
+        positive int).
     max_delay: seconds after which the next scalar call hands over the rows anyway, so a slow
         loop still shows up in TensorBoard (None: only every `every` calls, flush and close).
 
@@ -151,7 +153,7 @@ class SummaryWriter(_TorchWriter):
 
     def __init__(self, log_dir: Any = None, comment: str = "", purge_step: int | None = None,
                  max_queue: int = 10, flush_secs: int = 120, filename_suffix: str = "", *,
-                 every: int = 50, max_delay: float | None = 2.0):
+                 every: int = ADAPTER_EVERY, max_delay: float | None = 2.0):
         self._deferred = Deferred(self._replay, _describe,
                                   Failures("syncless.tensorboard", "writer.errors"), every,
                                   max_delay, step_name="global_step", step_of=_global_step,

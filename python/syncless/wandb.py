@@ -38,7 +38,8 @@ try:
 except ImportError as exc:
     raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
 
-from ._deferred import Deferred, Failures, check_every, check_name
+from ._checks import ADAPTER_EVERY, check_every, check_max_delay
+from ._deferred import Deferred, Failures, check_name
 
 __all__ = ["init", "log", "flush", "finish"]
 
@@ -126,7 +127,7 @@ def _describe(record: tuple) -> tuple[str, str]:
 class _RunState:
     """One run's deferred log() calls, replayed to the run in order on the delivery thread."""
 
-    def __init__(self, run: Any, every: int = 50, max_delay: float | None = 2.0):
+    def __init__(self, run: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0):
         self.run = run
         self.latest: dict[str, float] = {}
         self.finished = False
@@ -194,7 +195,7 @@ class _RunState:
 def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> _RunState:
     state = _states.get(id(run))
     if state is None or state.run is not run:
-        state = _states[id(run)] = _RunState(run, 50 if every is None else every,
+        state = _states[id(run)] = _RunState(run, ADAPTER_EVERY if every is None else every,
                                              2.0 if max_delay is _DEFAULT else max_delay)
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
@@ -205,13 +206,14 @@ def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> 
     return state
 
 
-def init(*args: Any, every: int = 50, max_delay: float | None = 2.0, **kwargs: Any) -> Any:
+def init(*args: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0, **kwargs: Any) -> Any:
     """`wandb.init(*args, **kwargs)`, unchanged; returns the real run.
 
-    every: how many log() calls share one device-to-host copy.
+    every: how many log() calls share one device-to-host copy (default 50; a positive int).
     max_delay: seconds after which the next log() hands the calls over anyway, so a slow loop
         still shows up in W&B (None: only every `every` calls, flush() and finish())."""
-    check_every(every, max_delay)                 # before wandb.init starts a run
+    check_every(every)                            # before wandb.init starts a run
+    check_max_delay(max_delay)
     run = _wandb.init(*args, **kwargs)
     if run is not None:
         _deferred(run, every, max_delay)
