@@ -29,13 +29,12 @@ def check_every(every: Any, name: str = "every") -> int:
     return every
 
 
-def check_max_delay(max_delay: Any) -> float | None:
+def check_max_delay(max_delay: Any, name: str = "max_delay") -> float | None:
     """`max_delay` itself, or ValueError: None (no time bound) or seconds >= 0."""
     if max_delay is not None and (isinstance(max_delay, bool)
                                   or not isinstance(max_delay, (int, float))
                                   or not max_delay >= 0):
-        raise ValueError(f"max_delay must be None or a number of seconds >= 0, got "
-                         f"{max_delay!r}")
+        raise ValueError(f"{name} must be None or a number of seconds >= 0, got {max_delay!r}")
     return max_delay
 
 
