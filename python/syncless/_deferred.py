@@ -114,7 +114,7 @@ class Deferred:
                  step_name: str = "step", step_of: Callable[[Any], Any] | None = None,
                  step_tensor: Callable[[torch.Tensor], None] | None = None):
         self.every = check_every(every)
-        self.max_delay = check_max_delay(max_delay)          # the private Logger's: rows handed over that late
+        self.max_delay = check_max_delay(max_delay)  # the private Logger's: rows handed over that late
         self.failures = failures
         self._replay = replay
         self._describe = describe

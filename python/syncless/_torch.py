@@ -14,7 +14,7 @@ import torch
 from . import _C, _metric
 
 #: {torch.dtype: kind number of the gather kernel}, for every dtype this torch build has.
-DTYPE_KINDS: dict = {getattr(torch, name): kind for name, kind in _C.KINDS.items()
+DTYPE_KINDS: dict[torch.dtype, int] = {getattr(torch, name): kind for name, kind in _C.KINDS.items()
                      if isinstance(getattr(torch, name, None), torch.dtype)}
 #: Cells one log() call may carry (the gather kernel's parameter block).
 MAX_CELLS: int = _C.MAX_CELLS
@@ -27,7 +27,7 @@ FAST_PATH: bool = _C.bind_torch(torch.Tensor, torch.nn.Parameter, DTYPE_KINDS,
 
 
 
-def _neg_probes() -> list:
+def _neg_probes() -> list[torch.Tensor]:
     """Tensors with and without the negative bit, as varied as the metrics a loop logs (views,
     autograd, parameters, inference mode, other dtypes), for ``_C.learn_neg_bit``."""
     a, z = torch.tensor([2.0, 3.0]), torch.tensor([1 + 2j])

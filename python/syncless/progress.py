@@ -38,7 +38,7 @@ def _bar_class() -> type:
     except ImportError as exc:
         raise ImportError("syncless.tqdm needs tqdm: pip install syncless[progress]") from exc
 
-    class SynclessTqdm(base):
+    class SynclessTqdm(base):  # type: ignore[misc]  # tqdm ships no types: base is Any
         """tqdm, plus log=, keys= and fmt=; the postfix follows log.latest."""
 
         def __init__(self, *args: Any, log: Any = None, keys: Sequence[str] | None = None,
@@ -118,18 +118,17 @@ def _check(log: Any, keys: Any, fmt: Any) -> tuple[str, ...] | None:
     if isinstance(keys, str):
         raise TypeError(f"keys must be a list of metric names, got the str {keys!r} "
                         f"(keys=[{keys!r}] shows one)")
-    if keys is not None:
-        keys = tuple(keys)
-        if not all(isinstance(k, str) for k in keys):
-            raise TypeError(f"keys must be metric names (str), got {list(keys)!r}")
+    names: tuple[str, ...] | None = None if keys is None else tuple(keys)
+    if names is not None and not all(isinstance(k, str) for k in names):
+        raise TypeError(f"keys must be metric names (str), got {list(names)!r}")
     try:
         format(1.5, fmt)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"fmt {fmt!r} is not a format spec for a float: {exc}") from None
-    return keys
+    return names
 
 
-def tqdm(iterable: Iterable | None = None, *args: Any, log: Any = None,
+def tqdm(iterable: Iterable[Any] | None = None, *args: Any, log: Any = None,
          keys: Sequence[str] | None = None, fmt: str = ".4g", **kwargs: Any) -> Any:
     """`tqdm.auto.tqdm(iterable, ...)` whose postfix shows `log.latest` (a few steps late).
     The iterable is iterated once, by the loop (plain tqdm's batches, for a shuffled loader too).
