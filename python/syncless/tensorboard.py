@@ -54,7 +54,7 @@ class ScalarShapeError(AssertionError, ValueError):
     this is both, so either `except` catches it."""
 
 
-_good_tags: set = set()                  # tags the protobuf field took before
+_good_tags: set[str] = set()                  # tags the protobuf field took before
 
 
 def _check_tag(tag: Any) -> None:
@@ -74,7 +74,7 @@ def _check_tag(tag: Any) -> None:
         _good_tags.add(tag)
 
 
-def _shape_error(tag: Any, shape: tuple) -> ScalarShapeError:
+def _shape_error(tag: Any, shape: tuple[int, ...]) -> ScalarShapeError:
     return ScalarShapeError(f"metric {tag!r} must hold one element, got shape {shape}")
 
 
@@ -127,7 +127,7 @@ def _walltime(walltime: Any) -> Any:
     return Event(wall_time=walltime).wall_time
 
 
-def _describe(record: tuple) -> tuple[str, str]:
+def _describe(record: tuple[Any, ...]) -> tuple[str, str]:
     return record[1], f"{'add_scalar' if record[0] == _ONE else 'add_scalars'}({record[1]!r})"
 
 
@@ -185,7 +185,7 @@ class SummaryWriter(_TorchWriter):
         self._deferred.put((_ONE, tag, new_style, double_precision), (scalar_value,), (tag,),
                            global_step, _walltime(walltime))
 
-    def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
+    def add_scalars(self, main_tag: str, tag_scalar_dict: dict[str, Any], global_step: Any = None,
                     walltime: float | None = None) -> None:
         items = tag_scalar_dict.items()                 # torch's AttributeError for a non-dict
         if not items:
@@ -209,7 +209,8 @@ class SummaryWriter(_TorchWriter):
 
     # ---- delivery (the logger's thread) ------------------------------------------------------
 
-    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+    def _replay(self, record: tuple[Any, ...], values: list[float], step: Any,
+                wall: float) -> None:
         if record[0] == _ONE:
             _, tag, new_style, double_precision = record
             value = values[0]

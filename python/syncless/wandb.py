@@ -65,10 +65,11 @@ def _item_type(dtype: torch.dtype) -> type:
     return bool if dtype == torch.bool else int
 
 
-def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
+def _split(data: Mapping[str, Any], values: list[torch.Tensor], names: list[str],
+           prefix: str = "") -> dict[str, Any]:
     """A copy of `data` with each one-element tensor moved into `values` (the logger's row;
     `names` gets its key) and replaced by a _Slot. Reads only host metadata: no sync."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(key, str):
             check_name(key, "key")
@@ -88,8 +89,8 @@ def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
     return out
 
 
-def _fill(template: dict, values: list) -> dict:
-    out = {}
+def _fill(template: dict[str, Any], values: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, value in template.items():
         if type(value) is _Slot:
             out[key] = value.cast(values[value.index])
@@ -100,7 +101,7 @@ def _fill(template: dict, values: list) -> dict:
     return out
 
 
-def _numbers(data: dict, out: dict, prefix: str = "") -> None:
+def _numbers(data: dict[str, Any], out: dict[str, float], prefix: str = "") -> None:
     for key, value in data.items():
         if type(value) is dict:
             _numbers(value, out, f"{prefix}{key}.")
@@ -119,7 +120,7 @@ def _step(step: Any) -> int:
     raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
 
 
-def _describe(record: tuple) -> tuple[str, str]:
+def _describe(record: tuple[Any, ...]) -> tuple[str, str]:
     keys = ", ".join(repr(k) for k in record[0])
     return keys, f"log({{{keys}}})"
 
@@ -165,12 +166,13 @@ class _RunState:
             raise _wandb.errors.UsageError(
                 f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
                 "be ignored. Please make sure that you are using an active run.")
-        values: list = []
-        names: list = []
+        values: list[torch.Tensor] = []
+        names: list[str] = []
         template = _split(data, values, names)
         self._deferred.put((template, commit), values, names, step)
 
-    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+    def _replay(self, record: tuple[Any, ...], values: list[float], step: Any,
+                wall: float) -> None:
         template, commit = record          # the logger's delivery thread
         data = _fill(template, values)
         data.setdefault("_timestamp", wall)
@@ -206,7 +208,8 @@ def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> 
     return state
 
 
-def init(*args: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0, **kwargs: Any) -> Any:
+def init(*args: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0,
+         **kwargs: Any) -> Any:
     """`wandb.init(*args, **kwargs)`, unchanged; returns the real run.
 
     every: how many log() calls share one device-to-host copy (default 50; a positive int).
