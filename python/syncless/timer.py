@@ -32,12 +32,12 @@ import os
 import threading
 from array import array
 from time import perf_counter
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
 from . import _compile
-from ._torch import _C
+from ._torch import _C, cuda_initialized
 from .logger import Logger
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report"]
@@ -57,7 +57,7 @@ _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50
 def _auto_device() -> int:
     # is_initialized() is a flag check and _cuda_getDevice() is current_device() without its
     # lazy-init path: together well under a microsecond, so the choice can be made per use.
-    if torch.cuda.is_initialized():
+    if cuda_initialized():
         return torch._C._cuda_getDevice()
     return _CPU
 
@@ -113,7 +113,7 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 class Stats(NamedTuple):
     """Summary of a timer's readings, in milliseconds. float(stats) is the median."""
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: a public field since 0.1
     mean: float
     median: float
     p90: float
@@ -149,6 +149,7 @@ class Timing(_C.EventPair):
     by hand; the two events go back to the pool once the reading is taken.
     """
     __slots__ = ("_step0",)
+    _step0: int                     # the Logger's last step at the block's start (log= only)
 
     def _early(self, what: str) -> str:
         label = f"timer {self.name!r}" if self.name else "timer"
@@ -290,6 +291,14 @@ class Timer(_C.TimerBase):
     name's statistics.
     """
     __slots__ = ()
+    if TYPE_CHECKING:               # what TimerBase's members hold here (bind_timer: Timing)
+        _series: _Series | None
+        _log: Logger | None
+        _step: int | None
+
+        @property
+        def last(self) -> Timing | None: ...
+        def __enter__(self) -> Timing: ...
 
     def __init__(self, name: str | None = None, device: Any = None, log: Logger | None = None,
                  step: int | None = None):
@@ -323,6 +332,7 @@ class Timer(_C.TimerBase):
 
     def _before(self, rec: Timing) -> None:
         log = self._log
+        assert log is not None                   # TIMER_BEFORE is set only with a log
         if self._step is None:
             log._refuse_device_steps(f"timer({self.name!r}, log=...) without step=")
         rec._step0 = log.last_step
@@ -337,6 +347,7 @@ class Timer(_C.TimerBase):
         series.add(rec)
         log = self._log
         if log is not None and not log.closed:
+            assert self.name is not None             # _setup: a log needs a name
             step = self._step
             if step is None:
                 # The step this block belongs to: the last logged step if log() was called
@@ -346,7 +357,7 @@ class Timer(_C.TimerBase):
             # Read on the delivery thread, which may wait for the end event there.
             log.attach(self.name, _Reader(rec), step)
 
-    def __call__(self, fn: Callable) -> Callable:
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorate fn: every call is timed. An unnamed timer takes the function's name."""
         if not callable(fn):
             raise TypeError(f"timer(...) decorates a callable, got {type(fn).__name__}")
@@ -364,7 +375,7 @@ class Timer(_C.TimerBase):
             finally:
                 leave(None, None, None)
 
-        timed.timer = self
+        setattr(timed, "timer", self)            # the decorated function's .timer
         return timed
 
     # -- reading
@@ -426,8 +437,8 @@ class Timer(_C.TimerBase):
         return Report([_report_row(self.name or "(unnamed)", self._readings())])._repr_html_()
 
 
-def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger | None = None,
-          step: int | None = None) -> Any:
+def timer(name: str | Callable[..., Any] | None = None, *, device: Any = None,
+          log: Logger | None = None, step: int | None = None) -> Any:
     """Time a block or a function: `with timer() as t:`, `@timer("forward")`, `@timer`.
 
     name    aggregates every use under syncless.timers[name] (and names the logged metric)
@@ -463,7 +474,7 @@ os.register_at_fork(after_in_child=_C.forget_cuda)
 
 # ---- the named-timer registry ------------------------------------------------------------------
 
-def _report_row(name: str, series: _Series) -> tuple:
+def _report_row(name: str, series: _Series) -> tuple[str, str, Stats, Stats]:
     return (name, series.clock, series.stats(), series.cpu_stats())
 
 
@@ -473,7 +484,7 @@ _COLUMNS = ("timer", "clock", "count", "mean", "median", "p90", "min", "max", "c
 class Report:
     """A table of timers (ms): text via str()/repr(), HTML in notebooks."""
 
-    def __init__(self, rows: list[tuple]):
+    def __init__(self, rows: list[tuple[str, str, Stats, Stats]]):
         self.rows = rows            # (name, clock, Stats, cpu Stats)
 
     def _cells(self) -> list[list[str]]:
@@ -523,7 +534,7 @@ class _Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._series
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(list(self._series))
 
     def __len__(self) -> int:
