@@ -306,18 +306,7 @@ class Timer(_C.TimerBase):
             self._setup(name, device, log, step)
 
     def _setup(self, name: str | None, device: Any, log: Logger | None, step: int | None) -> None:
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"timer name must be a str, got {type(name).__name__}")
-        if log is not None and name is None:
-            raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
-        if step is not None and log is None:
-            raise ValueError("timer(step=...) only applies with log=")
-        if log is not None:
-            if not isinstance(log, Logger):
-                raise TypeError(f"timer(log=...) takes a syncless.Logger, got "
-                                f"{type(log).__name__}")
-            if log.closed:
-                raise ValueError("timer(log=...): this Logger is closed")
+        _check_settings(name, log, step)
         parsed = _parse_device(device)
         self._mode = _AUTO if parsed is None else parsed
         self.name = name
@@ -435,6 +424,20 @@ class Timer(_C.TimerBase):
 
     def _repr_html_(self) -> str:
         return Report([_report_row(self.name or "(unnamed)", self._readings())])._repr_html_()
+
+
+def _check_settings(name: str | None, log: Logger | None, step: int | None) -> None:
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"timer name must be a str, got {type(name).__name__}")
+    if log is not None and name is None:
+        raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
+    if step is not None and log is None:
+        raise ValueError("timer(step=...) only applies with log=")
+    if log is not None:
+        if not isinstance(log, Logger):
+            raise TypeError(f"timer(log=...) takes a syncless.Logger, got {type(log).__name__}")
+        if log.closed:
+            raise ValueError("timer(log=...): this Logger is closed")
 
 
 def timer(name: str | Callable[..., Any] | None = None, *, device: Any = None,
