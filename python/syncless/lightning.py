@@ -103,7 +103,7 @@ _STEP_HOOKS = frozenset({
 _COLUMN = {name: f"lightning/{name}" for name in RESERVED}
 _NAME = {column: name for name, column in _COLUMN.items()}
 
-Send = Callable[..., Any]               # a Lightning logger's own log_metrics
+_Send = Callable[..., Any]              # a Lightning logger's own log_metrics
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -145,7 +145,7 @@ class _Direct:
     rows = 0
     log_now = False
 
-    def __init__(self, send: Send, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(self, send: _Send, args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.send = send                 # the logger's own log_metrics
         self.args = args                 # the call as the caller made it (positional or not)
         self.kwargs = kwargs
@@ -392,11 +392,11 @@ class _Loggers:
     update_train_step_metrics (where a batch closes). Each is put back as it was found."""
 
     def __init__(self) -> None:
-        self._loggers: list[tuple[Any, Send, bool]] = []   # (logger, its own, was patched)
+        self._loggers: list[tuple[Any, _Send, bool]] = []   # (logger, its own, was patched)
         self._connector: tuple[Any, bool, Callable[[], None]] | None = None
 
     def watch(self, trainer: Any, step_end: Callable[[], None],
-              defer: Callable[[Send, tuple[Any, ...], dict[str, Any]], bool]) -> None:
+              defer: Callable[[_Send, tuple[Any, ...], dict[str, Any]], bool]) -> None:
         """defer(own, args, kwargs) queues a call and says so, or says it must go now. A call
         reaches the logger as it was made (positional or keyword arguments, the same metrics
         object when not waiting; a copy of it, taken at the call, when waiting)."""
@@ -439,7 +439,7 @@ class _Loggers:
             self._connector = None
 
 
-def _ordered(own: Send, defer: Callable[[Send, tuple[Any, ...], dict[str, Any]], bool]) -> Send:
+def _ordered(own: _Send, defer: Callable[[_Send, tuple[Any, ...], dict[str, Any]], bool]) -> _Send:
     def log_metrics(*args: Any, **kwargs: Any) -> Any:
         if defer(own, args, kwargs):
             return None
@@ -510,7 +510,7 @@ class _SynclessLogging:
         if batch is not None and self.syncless is not None:
             self._feed.send(self.syncless, batch, pending)
 
-    def _defer(self, trainer: Any, own: Send, args: tuple[Any, ...],
+    def _defer(self, trainer: Any, own: _Send, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> bool:
         """A logger's log_metrics call waits behind the step rows on their way, if any."""
         if not self._feed.batches or self.syncless is None or self.syncless.closed:
