@@ -154,7 +154,7 @@ static PyObject *TimerBase_enter(TimerBase *self, PyObject *unused)
     /* Raises, touching nothing, under graph capture. */
     if (device >= 0 && sl_pair_record(st, rec, 0))
         goto error;
-    rec->state = 1;
+    rec->state = SL_PAIR_STARTED;
     if (PyList_Append(self->open, (PyObject *)rec))
         goto error;
     rec->t0 = now();
@@ -184,7 +184,7 @@ static PyObject *TimerBase_exit(TimerBase *self, PyObject *const *args, Py_ssize
         Py_DECREF(rec);
         return NULL;
     }
-    rec->state = 2;
+    rec->state = SL_PAIR_STOPPED;
     rec->cpu_ms = (t1 - rec->t0) * 1e3;
     if (rec->device < 0)
         rec->ms = rec->cpu_ms;

@@ -29,6 +29,12 @@ TIMER_AFTER: int
 """TimerBase._hooks bit: call the timer's _after(reading) at each exit."""
 TIMER_BEFORE: int
 """TimerBase._hooks bit: call the timer's _before(reading) at each entry."""
+PAIR_FRESH: int
+"""EventPair._state: made, not started."""
+PAIR_STARTED: int
+"""EventPair._state: the start is recorded."""
+PAIR_STOPPED: int
+"""EventPair._state: the end is recorded (the reading can be taken)."""
 
 def bind_torch(tensor_type: type, parameter_type: type, dtype_kinds: dict[Any, int],
                exchange_capsule: Any, raw_stream: Any,
@@ -68,7 +74,7 @@ class EventPair:
     @property
     def _device(self) -> int: ...            # a CUDA ordinal, -1: the host clock
     @property
-    def _state(self) -> int: ...             # 0 fresh, 1 started, 2 stopped
+    def _state(self) -> int: ...             # PAIR_FRESH, PAIR_STARTED or PAIR_STOPPED
     @property
     def _cpu_ms(self) -> float: ...          # NaN while running
     @property

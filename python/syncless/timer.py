@@ -50,6 +50,7 @@ _CUDA_CURRENT = _C.TIMER_CUDA       # device="cuda": whichever device is current
 _AUTO = _C.TIMER_AUTO               # no device given: CUDA's current device once it is up
 _AFTER = _C.TIMER_AFTER             # TimerBase._hooks: call Timer._after at exit
 _BEFORE = _C.TIMER_BEFORE           # ... and Timer._before at entry
+_STOPPED = _C.PAIR_STOPPED          # Timing._state once the end event is recorded
 _COLLECT_EVERY = 256                # read finished event pairs of a named timer in batches
 _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50 MB)
 
@@ -162,7 +163,7 @@ class Timing(_C.EventPair):
         ms = self._ms
         if ms == ms:                    # not NaN: known
             return ms
-        if self._state != 2:
+        if self._state != _STOPPED:
             raise RuntimeError(self._early("ms"))
         return self.elapsed()
 
@@ -171,12 +172,12 @@ class Timing(_C.EventPair):
         ms = self._ms
         if ms == ms:
             return ms
-        return self.poll() if self._state == 2 else None
+        return self.poll() if self._state == _STOPPED else None
 
     @property
     def cpu_ms(self) -> float:
         """Host wall time spent inside the block, in milliseconds."""
-        if self._state != 2:
+        if self._state != _STOPPED:
             raise RuntimeError(self._early("cpu_ms"))
         return self._cpu_ms
 
@@ -192,7 +193,7 @@ class Timing(_C.EventPair):
     def __repr__(self) -> str:
         """Never waits: an unfinished GPU reading shows as pending."""
         label = f"<timer {self.name!r}" if self.name else "<timer"
-        if self._state != 2:
+        if self._state != _STOPPED:
             return f"{label} running>"
         if self._device < 0:
             return f"{label} cpu {self._cpu_ms:.3f} ms>"
@@ -202,7 +203,7 @@ class Timing(_C.EventPair):
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         # Displaying a reading in IPython is reading it: wait for the end event.
-        if self._state == 2:
+        if self._state == _STOPPED:
             self.ms
         p.text(repr(self))
 
