@@ -63,7 +63,7 @@ void sl_pair_init(sl_state *st, EventPair *self, int device)
     self->device = device;
     self->start = self->stop = NULL;
     self->started_on = NULL;
-    self->state = 0;
+    self->state = SL_PAIR_FRESH;
     self->t0 = 0;
     self->cpu_ms = self->ms = NAN;
     self->name = Py_None;
@@ -147,7 +147,7 @@ int sl_pair_record(sl_state *st, EventPair *self, int which)
         self->started_on = stream;
         self->cpu_ms = self->ms = NAN;
     }
-    self->state = which ? 2 : 1;
+    self->state = which ? SL_PAIR_STOPPED : SL_PAIR_STARTED;
     return 0;
 }
 
@@ -167,9 +167,9 @@ static PyObject *EventPair_start(EventPair *self, PyObject *unused)
 static PyObject *EventPair_stop(EventPair *self, PyObject *unused)
 {
     (void)unused;
-    if (self->state != 1) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        self->state == 0 ? "stop() before start()" : "stop() called twice");
+    if (self->state != SL_PAIR_STARTED) {
+        PyErr_SetString(PyExc_RuntimeError, self->state == SL_PAIR_FRESH ? "stop() before start()"
+                                                                         : "stop() called twice");
         return NULL;
     }
     return record(self, 1);
@@ -219,7 +219,7 @@ static PyObject *EventPair_elapsed(EventPair *self, PyObject *unused)
     int not_ready;
     if (!isnan(self->ms))
         return PyFloat_FromDouble(self->ms);
-    if (self->state != 2) {
+    if (self->state != SL_PAIR_STOPPED) {
         PyErr_SetString(PyExc_RuntimeError, "the timed block has not ended yet");
         return NULL;
     }
@@ -234,7 +234,7 @@ static PyObject *EventPair_poll(EventPair *self, PyObject *unused)
     int not_ready;
     if (!isnan(self->ms))
         return PyFloat_FromDouble(self->ms);
-    if (self->state != 2)
+    if (self->state != SL_PAIR_STOPPED)
         Py_RETURN_NONE;
     PyObject *ms = read_elapsed(self, 0, &not_ready);
     if (ms == NULL && not_ready)
@@ -255,7 +255,8 @@ static PyMethodDef EventPair_methods[] = {
 static PyMemberDef EventPair_members[] = {
     {"name", T_OBJECT, offsetof(EventPair, name), READONLY, "the timer's name, or None"},
     {"_device", T_INT, offsetof(EventPair, device), READONLY, "CUDA ordinal, -1: host clock"},
-    {"_state", T_INT, offsetof(EventPair, state), READONLY, "0 fresh, 1 started, 2 stopped"},
+    {"_state", T_INT, offsetof(EventPair, state), READONLY,
+     "PAIR_FRESH, PAIR_STARTED or PAIR_STOPPED"},
     {"_cpu_ms", T_DOUBLE, offsetof(EventPair, cpu_ms), READONLY, "host ms inside, NaN: running"},
     {"_ms", T_DOUBLE, offsetof(EventPair, ms), READONLY, "the reading in ms once known, else NaN"},
     {NULL, 0, 0, 0, NULL},
@@ -331,7 +332,10 @@ int sl_event_pair_init_types(PyObject *module, sl_state *st)
 {
     st->event_pair_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &EventPair_spec, NULL);
     if (st->event_pair_type == NULL ||
-        PyModule_AddObjectRef(module, "EventPair", (PyObject *)st->event_pair_type))
+        PyModule_AddObjectRef(module, "EventPair", (PyObject *)st->event_pair_type) ||
+        PyModule_AddIntConstant(module, "PAIR_FRESH", SL_PAIR_FRESH) ||
+        PyModule_AddIntConstant(module, "PAIR_STARTED", SL_PAIR_STARTED) ||
+        PyModule_AddIntConstant(module, "PAIR_STOPPED", SL_PAIR_STOPPED))
         return -1;
     return 0;
 }

@@ -223,12 +223,13 @@ PyObject *sl_tally(PyObject *module, PyObject *args);
 
 /* events.c: an event pair, also the record of one timed block (Python's Timing subclasses it;
  * timer.c makes them): host clock readings and the GPU reading once known (NaN until then). */
+enum { SL_PAIR_FRESH = 0, SL_PAIR_STARTED = 1, SL_PAIR_STOPPED = 2 };
 typedef struct sl_pair {
     PyObject_HEAD
     int device; /* CUDA ordinal, or -1 for a block timed on the host clock */
     CUevent start, stop;
     CUstream started_on;
-    int state; /* 0 fresh, 1 started, 2 stopped */
+    int state; /* SL_PAIR_FRESH, _STARTED, _STOPPED (exported to Python as _C.PAIR_*) */
     double t0; /* host seconds (CLOCK_MONOTONIC, perf_counter's clock) at the start */
     double cpu_ms, ms;
     PyObject *name; /* the timer's name, or None */

@@ -13,6 +13,7 @@
 #include <structmember.h>
 #include <time.h>
 
+/* Exported to Python (TIMER_CPU ..., TIMER_AFTER ...): timer.py reads them from _C. */
 enum { MODE_CPU = -1, MODE_CUDA = -2, MODE_AUTO = -3 };
 enum { HOOK_AFTER = 1, HOOK_BEFORE = 2 };
 
@@ -153,7 +154,7 @@ static PyObject *TimerBase_enter(TimerBase *self, PyObject *unused)
     /* Raises, touching nothing, under graph capture. */
     if (device >= 0 && sl_pair_record(st, rec, 0))
         goto error;
-    rec->state = 1;
+    rec->state = SL_PAIR_STARTED;
     if (PyList_Append(self->open, (PyObject *)rec))
         goto error;
     rec->t0 = now();
@@ -183,7 +184,7 @@ static PyObject *TimerBase_exit(TimerBase *self, PyObject *const *args, Py_ssize
         Py_DECREF(rec);
         return NULL;
     }
-    rec->state = 2;
+    rec->state = SL_PAIR_STOPPED;
     rec->cpu_ms = (t1 - rec->t0) * 1e3;
     if (rec->device < 0)
         rec->ms = rec->cpu_ms;
@@ -213,8 +214,10 @@ static PyMethodDef TimerBase_methods[] = {
 static PyMemberDef TimerBase_members[] = {
     {"name", T_OBJECT, offsetof(TimerBase, name), 0, "the name readings aggregate under, or None"},
     {"last", T_OBJECT, offsetof(TimerBase, last), READONLY, "the last finished reading, or None"},
-    {"_mode", T_INT, offsetof(TimerBase, mode), 0, "a CUDA ordinal, -1 cpu, -2 cuda, -3 auto"},
-    {"_hooks", T_INT, offsetof(TimerBase, hooks), 0, "1: call _after at exit, 2: _before too"},
+    {"_mode", T_INT, offsetof(TimerBase, mode), 0,
+     "a CUDA ordinal, or TIMER_CPU, TIMER_CUDA, TIMER_AUTO"},
+    {"_hooks", T_INT, offsetof(TimerBase, hooks), 0,
+     "TIMER_AFTER: call _after at exit; TIMER_BEFORE: _before at entry"},
     {"_open", T_OBJECT, offsetof(TimerBase, open), READONLY, "readings of open blocks"},
     {"_series", T_OBJECT, offsetof(TimerBase, series), 0, "the readings' series, or None"},
     {"_log", T_OBJECT, offsetof(TimerBase, log), 0, "the Logger durations go to, or None"},
@@ -280,7 +283,12 @@ int sl_clock_init_types(PyObject *module, sl_state *st)
         return -1;
     st->clock_type = (PyTypeObject *)PyType_FromModuleAndSpec(module, &TimerBase_spec, NULL);
     if (st->clock_type == NULL ||
-        PyModule_AddObjectRef(module, "TimerBase", (PyObject *)st->clock_type))
+        PyModule_AddObjectRef(module, "TimerBase", (PyObject *)st->clock_type) ||
+        PyModule_AddIntConstant(module, "TIMER_CPU", MODE_CPU) ||
+        PyModule_AddIntConstant(module, "TIMER_CUDA", MODE_CUDA) ||
+        PyModule_AddIntConstant(module, "TIMER_AUTO", MODE_AUTO) ||
+        PyModule_AddIntConstant(module, "TIMER_AFTER", HOOK_AFTER) ||
+        PyModule_AddIntConstant(module, "TIMER_BEFORE", HOOK_BEFORE))
         return -1;
     return PyModule_AddFunctions(module, clock_functions);
 }

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import syncless
+from _sinks import Collect
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(torch.library, "register_fake"),
@@ -23,14 +24,6 @@ pytestmark = [
     # cudagraph trees capture an empty graph when their manager starts (torch 2.11)
     pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning"),
 ]
-
-
-class Collect:
-    def __init__(self):
-        self.rows = []
-
-    def write(self, rows):
-        self.rows.extend(rows)
 
 
 def graphs() -> int:
@@ -65,7 +58,7 @@ def test_fullgraph_step_logs_4_metrics_exactly_over_1000_steps(delivery):
         expected.append({"loss": float(loss), "big": float(big), "ok": float(ok), "lr": 0.25})
     log.close()
     assert graphs() == before, "values changing must not recompile"
-    rows = sink.rows[-1000:]
+    rows = sink.raw[-1000:]
     assert [r.step for r in rows] == list(range(1, 1001))
     assert [r.values for r in rows] == expected[1:]
     assert log.stats.steps == 1001 and log.stats.lost == 0
@@ -102,8 +95,8 @@ def test_compiled_training_step_logs_loss_and_grad_norm_exactly_and_backward_run
             opt.step()
             opt.zero_grad()
     log.close()
-    assert [r.values for r in sink.rows] == want
-    assert [r.step for r in sink.rows] == list(range(40))
+    assert [r.values for r in sink.raw] == want
+    assert [r.step for r in sink.raw] == list(range(40))
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b), "logging must not change training"
     with syncless.Logger() as probe:
@@ -119,7 +112,7 @@ def test_explain_reports_no_graph_break():
     assert explanation.graph_count == 1
     targets = [node.target for g in explanation.graphs for node in g.graph.nodes]
     assert targets.count(torch.ops.syncless.log.default) == 1
-    assert [r.values for r in sink.rows] == [{"loss": 8.0, "big": 32.0, "ok": 0.0, "lr": 0.25}]
+    assert [r.values for r in sink.raw] == [{"loss": 8.0, "big": 32.0, "ok": 0.0, "lr": 0.25}]
 
 
 def test_numbers_are_constants_of_the_op_and_the_trace_adds_no_python_guard():
@@ -153,7 +146,7 @@ def test_numbers_are_constants_of_the_op_and_the_trace_adds_no_python_guard():
     torch.compile(only_numbers, fullgraph=True)(torch.ones(2))
     log.close()
     ones = {"y": 3.0, "lr": 0.125, "epoch": 3.0, "warm": 1.0}          # explain's run, then fn's
-    assert [(r.step, r.values) for r in sink.rows] == (
+    assert [(r.step, r.values) for r in sink.raw] == (
         [(0, ones), (1, ones)]
         + [(2 + i, {"y": 3.0 * i, "lr": 0.125, "epoch": 3.0, "warm": 1.0}) for i in range(3)]
         + [(5, {"lr": 0.5})])
@@ -181,7 +174,7 @@ def test_new_names_steps_and_eager_logging_do_not_recompile():
             settled = graphs()
     assert graphs() == settled, "after an explicit step's one dynamic recompile, nothing more"
     log.close()
-    got = [(r.step, r.values) for r in sink.rows]
+    got = [(r.step, r.values) for r in sink.raw]
     want = []
     for i in range(6):
         base = 0 if i == 0 else 100 + 10 * (i - 1) + 1
@@ -223,7 +216,7 @@ def test_a_changing_learning_rate_and_count_compile_at_most_twice_and_log_exactl
         sched.step()
     assert graphs() == (1 if how == "tensor" else 2)
     log.close()
-    assert [(r.step, r.values) for r in sink.rows] == want
+    assert [(r.step, r.values) for r in sink.raw] == want
 
 
 def test_bad_value_inside_compiled_code_is_a_clear_error_and_loses_nothing():
@@ -234,7 +227,7 @@ def test_bad_value_inside_compiled_code_is_a_clear_error_and_loses_nothing():
     with pytest.raises(ValueError, match=r"metric 'v' must hold one element, got shape \(3,\)"):
         fn(torch.ones(3))
     log.close()
-    assert [(r.step, r.values) for r in sink.rows] == [(0, {"v": 6.0})]
+    assert [(r.step, r.values) for r in sink.raw] == [(0, {"v": 6.0})]
     with pytest.raises(ValueError, match="this Logger is closed"):
         fn(torch.tensor(1.0))
 
@@ -285,8 +278,8 @@ def test_cuda_compiled_step_logs_exact_values_without_a_sync():
         torch.cuda.set_sync_debug_mode(0)
     log.close()
     want = [{"loss": float(a), "big": float(b), "ok": float(c), "lr": 0.25} for a, b, c in outs]
-    assert [r.values for r in sink.rows[1:]] == want
-    assert [r.step for r in sink.rows] == list(range(41))
+    assert [r.values for r in sink.raw[1:]] == want
+    assert [r.step for r in sink.raw] == list(range(41))
 
 
 @pytest.mark.cuda
@@ -320,9 +313,9 @@ def test_reduce_overhead_replays_append_one_row_each_with_exact_steps(delivery):
     assert counters["inductor"]["cudagraph_skips"] == skips, "the graph must be CUDA-graphed"
     assert log._gen.captured, "the gather must have been captured into the CUDA graph"
     log.close()
-    assert [r.step for r in sink.rows] == list(range(120))
-    assert [r.values["loss"] for r in sink.rows] == [float(v) for v in losses]
-    assert all(r.values["lr"] == 0.5 for r in sink.rows)
+    assert [r.step for r in sink.raw] == list(range(120))
+    assert [r.values["loss"] for r in sink.raw] == [float(v) for v in losses]
+    assert all(r.values["lr"] == 0.5 for r in sink.raw)
     assert log.stats.lost == 0
 
 
@@ -353,10 +346,10 @@ def test_reduce_overhead_steps_stay_consecutive_across_calls_rerecords_and_eager
     assert log.steps_on_device()
     log(epoch=1.0)                                   # eager, after the replays: no step= needed
     log.close()
-    assert [r.step for r in sink.rows] == list(range(121))
-    assert [r.values["loss"] for r in sink.rows[0:120:2]] == [float(v) for v in losses]
-    assert all(set(r.values) == {"peak"} for r in sink.rows[1:120:2])
-    assert sink.rows[-1].values == {"epoch": 1.0}
+    assert [r.step for r in sink.raw] == list(range(121))
+    assert [r.values["loss"] for r in sink.raw[0:120:2]] == [float(v) for v in losses]
+    assert all(set(r.values) == {"peak"} for r in sink.raw[1:120:2])
+    assert sink.raw[-1].values == {"epoch": 1.0}
     assert log.stats.lost == 0
     torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
@@ -389,7 +382,7 @@ def test_reduce_overhead_changing_numbers_recompile_once_and_log_exactly():
             sched.step()
     assert graphs() == 2, "one recompile makes the changing numbers dynamic"
     log.close()
-    assert [(r.step, r.values["lr"], r.values["seen"], r.values["loss"]) for r in sink.rows] == [
+    assert [(r.step, r.values["lr"], r.values["seen"], r.values["loss"]) for r in sink.raw] == [
         (i, lr, seen, float(loss)) for i, lr, seen, loss in want]
     assert log.stats.lost == 0
     torch._inductor.cudagraph_trees.reset_cudagraph_trees()
@@ -404,8 +397,8 @@ def test_reduce_overhead_rows_past_capacity_are_counted_as_lost():
     for _ in range(60):                              # no flush between: the ring wraps
         fn(x)
     log.close()
-    assert log.stats.lost + len(sink.rows) == 60
-    assert [r.step for r in sink.rows][-16:] == list(range(44, 60))
+    assert log.stats.lost + len(sink.raw) == 60
+    assert [r.step for r in sink.raw][-16:] == list(range(44, 60))
     assert log.stats.lost > 0
 
 

@@ -9,16 +9,7 @@ import pytest
 import torch
 
 import syncless
-
-
-class Collect:
-    def __init__(self):
-        self.rows = []
-        self.threads = set()
-
-    def write(self, rows):
-        self.threads.add(threading.get_ident())
-        self.rows.extend((r.step, dict(r.values)) for r in rows)
+from _sinks import Collect
 
 
 def value(v, device):

@@ -11,24 +11,7 @@ import torch
 
 import syncless
 from syncless.sinks import CSV, JSONL, Callback
-
-
-class Collect:
-    """A sink that keeps every row: (step, values)."""
-
-    def __init__(self):
-        self.rows = []
-        self.flushed = 0
-        self.closed = False
-
-    def write(self, rows):
-        self.rows.extend((r.step, dict(r.values)) for r in rows)
-
-    def flush(self):
-        self.flushed += 1
-
-    def close(self):
-        self.closed = True
+from _sinks import Collect
 
 
 def scalar(value, device, dtype=torch.float32):

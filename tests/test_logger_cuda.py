@@ -3,16 +3,9 @@ import pytest
 import torch
 
 import syncless
+from _sinks import Collect
 
 pytestmark = pytest.mark.cuda
-
-
-class Collect:
-    def __init__(self):
-        self.rows = []
-
-    def write(self, rows):
-        self.rows.extend((r.step, dict(r.values)) for r in rows)
 
 
 @pytest.fixture

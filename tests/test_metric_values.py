@@ -15,7 +15,10 @@ import torch
 import syncless
 from _gloo import TRIES, ranks_or_flake
 
-ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONWARNINGS="ignore")
+# The children import the test sink from tests/_sinks.py.
+ENV = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONWARNINGS="ignore",
+           PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                   os.environ.get("PYTHONPATH")])))
 
 # The child: one JSON line per case, printed before the next case starts, so a crash names the
 # case it happened in. Each case function logs through `log` and returns the expected value
@@ -35,11 +38,7 @@ if dev == "cpu-fallback":
     assert not _torch._C.bind_torch(torch.Tensor, torch.nn.Parameter, _torch.DTYPE_KINDS, None,
                                     None, _metric.resolve, _metric.number, _metric.REAL_TYPES)
 
-class Collect:
-    def __init__(self):
-        self.rows = []
-    def write(self, rows):
-        self.rows.extend((r.step, dict(r.values)) for r in rows)
+from _sinks import Collect
 
 class Wrapper(torch.Tensor):
     @staticmethod

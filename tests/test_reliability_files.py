@@ -20,6 +20,7 @@ import torch
 
 import syncless
 from syncless.sinks import CSV, JSONL, Callback
+from _sinks import Collect
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,14 +51,6 @@ def run_script(tmp_path, code, timeout=300):
                                                        sys.path))
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
-
-
-class Collect:
-    def __init__(self):
-        self.rows = []
-
-    def write(self, rows):
-        self.rows += [(r.step, dict(r.values)) for r in rows]
 
 
 def value(v, device):

@@ -21,6 +21,7 @@ import syncless
 from syncless.logger import Logger
 from syncless import load_ipython_extension
 from syncless.timer import Stats, bench, timer, timers
+from _sinks import Collect
 
 
 def within(ms, expected, device="cpu", slack=50.0):
@@ -66,14 +67,6 @@ def clean_registry():
     timers.reset()
     yield
     timers.reset()
-
-
-class Collect:
-    def __init__(self):
-        self.rows = []
-
-    def write(self, rows):
-        self.rows.extend((r.step, dict(r.values)) for r in rows)
 
 
 def by_step(rows):

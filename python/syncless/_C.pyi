@@ -5,6 +5,8 @@ from typing import Any, Callable, TypeVar, final, overload
 
 _R = TypeVar("_R", bound=tuple[Any, ...])
 
+from typing_extensions import Self, disjoint_base
+
 class CudaError(RuntimeError): ...
 
 KINDS: dict[str, int]
@@ -19,6 +21,22 @@ COLUMN_BLOCK: int
 """A ring's columns come in blocks of this many (one 64-bit presence word)."""
 CAPTURED_TAG: int
 """Bit of a row's tag set when the row was written by a CUDA graph replay."""
+TIMER_CPU: int
+"""TimerBase._mode: time on the host clock."""
+TIMER_CUDA: int
+"""TimerBase._mode: the CUDA device current at each use."""
+TIMER_AUTO: int
+"""TimerBase._mode: the host clock until CUDA is up, then the current device."""
+TIMER_AFTER: int
+"""TimerBase._hooks bit: call the timer's _after(reading) at each exit."""
+TIMER_BEFORE: int
+"""TimerBase._hooks bit: call the timer's _before(reading) at each entry."""
+PAIR_FRESH: int
+"""EventPair._state: made, not started."""
+PAIR_STARTED: int
+"""EventPair._state: the start is recorded."""
+PAIR_STOPPED: int
+"""EventPair._state: the end is recorded (the reading can be taken)."""
 
 def bind_torch(tensor_type: type, parameter_type: type, dtype_kinds: dict[Any, int],
                exchange_capsule: Any, raw_stream: Any,
@@ -70,9 +88,40 @@ class Window:
                row_type: type[_R], replay_time: float = ...,
                latest: dict[str, float] | None = ..., /) -> tuple[int, list[_R]]: ...
 
+@disjoint_base
 class EventPair:
-    def __init__(self, device: int) -> None: ...
+    def __new__(cls, device: int) -> Self: ...
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def elapsed(self) -> float: ...
     def poll(self) -> float | None: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def _device(self) -> int: ...            # a CUDA ordinal, -1: the host clock
+    @property
+    def _state(self) -> int: ...             # PAIR_FRESH, PAIR_STARTED or PAIR_STOPPED
+    @property
+    def _cpu_ms(self) -> float: ...          # NaN while running
+    @property
+    def _ms(self) -> float: ...              # NaN until known
+
+def event_floor(device: int, n: int, /) -> dict[str, float]: ...
+
+@disjoint_base
+class TimerBase:
+    name: str | None
+    _mode: int
+    _hooks: int
+    _series: Any
+    _log: Any
+    _step: Any
+    @property
+    def last(self) -> EventPair | None: ...
+    @property
+    def _open(self) -> list[EventPair]: ...
+    def __enter__(self) -> EventPair: ...
+    def __exit__(self, *exc_info: object) -> bool: ...
+
+def bind_timer(timing: type[EventPair], auto_device: Callable[[int], int], /) -> None: ...
+def forget_cuda() -> None: ...

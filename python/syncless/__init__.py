@@ -13,6 +13,8 @@ Drop-ins: `from syncless.tensorboard import SummaryWriter`, `import syncless.wan
 `syncless.tqdm(loader, log=log)`. Importing syncless never initialises CUDA, so DataLoader
 workers and forked children import it safely.
 """
+from typing import Any
+
 from . import sinks
 from ._C import CudaError
 from .doctor import (Audit, Diagnosis, Finding, MonitorSummary, StepMonitor, SyncError, Watch,
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 
-def load_ipython_extension(ipython) -> None:
+def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext syncless`: the %gputime / %%gputime and %gputimeit / %%gputimeit magics.
     IPython is imported only here, so syncless never needs it."""
     from ._magics import TimerMagics

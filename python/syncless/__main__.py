@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable
 
 from . import __version__, demo
 from .doctor import cli as doctor_cli
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None, prog: str = "syncless") -> int:
         parser.print_help(sys.stderr)         # a newcomer's first try: the commands, not an error
         return 2
     ns = parser.parse_args(argv)
-    return ns.run(ns)
+    run: Callable[[argparse.Namespace], int] = ns.run
+    return run(ns)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ and a CUDA graph cannot record timing events; time the compiled call from outsid
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
@@ -90,8 +90,8 @@ class _Site:
     __slots__ = ("logger_id", "logger", "names", "numbers", "device", "host_tensors", "token",
                  "ran")
 
-    def __init__(self, logger: Any, names: tuple, numbers: tuple, device: str,
-                 host_tensors: bool, token: torch.Tensor):
+    def __init__(self, logger: Any, names: tuple[str, ...], numbers: tuple[bool, ...],
+                 device: str, host_tensors: bool, token: torch.Tensor):
         self.logger_id = id(logger)
         self.logger = weakref.ref(logger)
         self.names = names
@@ -108,10 +108,11 @@ class _Tokens:
 
 
 _sites: list[_Site] = []
-_keys: dict[tuple, int] = {}
+_keys: dict[tuple[Any, ...], int] = {}
 _by_site = _Tokens()
 _tokens: "weakref.WeakKeyDictionary[Any, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
-_ran: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()    # names whose op ran
+# per logger: the names of the call sites whose op ran
+_ran: "weakref.WeakKeyDictionary[Any, set[tuple[str, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def _token(logger: Any, device: str) -> torch.Tensor:
@@ -125,12 +126,15 @@ def _token(logger: Any, device: str) -> torch.Tensor:
     return token
 
 
-def _trace_time(fn):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _trace_time(fn: _F) -> _F:
     """torch._dynamo.assume_constant_result, which only sets this flag (torch 2.0 to 2.13):
     Dynamo then calls fn for real while tracing and puts its result in the graph as a constant.
     Set here by hand because importing torch._dynamo takes seconds, and syncless is imported
     by DataLoader workers and scripts that never compile."""
-    fn._dynamo_marked_constant = True
+    setattr(fn, "_dynamo_marked_constant", True)
     return fn
 
 
@@ -144,7 +148,7 @@ def _number_device(logger_id: int, cuda: Optional[str]) -> str:
 
 
 @_trace_time
-def _ran_before(logger_id: int, names: tuple) -> bool:
+def _ran_before(logger_id: int, names: tuple[str, ...]) -> bool:
     """Trace time: has an op of this call site (logger, names) run? Then this trace is most
     likely a recompile, maybe for a number that changed: its numbers become tensor math. Set
     when the op runs, never while tracing, so a trace that Dynamo restarts takes the same path."""
@@ -153,7 +157,7 @@ def _ran_before(logger_id: int, names: tuple) -> bool:
 
 
 @_trace_time
-def _site(logger_id: int, names: tuple, devices: tuple) -> int:
+def _site(logger_id: int, names: tuple[str, ...], devices: tuple[Any, ...]) -> int:
     """Trace time, real Python: the number of the call site (the graph's constant)."""
     logger = _loggers.get(logger_id)
     if logger is None:
@@ -192,7 +196,8 @@ _CAPTURED_HOST = ("metrics {names!r}: a CPU tensor inside a CUDA graph would log
                   "capture on every replay; log it outside the graph or move it to the GPU")
 
 
-def _run(index: int, values: list, numbers: list, step: Optional[int]) -> None:
+def _run(index: int, values: list[torch.Tensor], numbers: list[float],
+         step: Optional[int]) -> None:
     site = _sites[index]
     logger = site.logger()
     if logger is None:
@@ -222,7 +227,8 @@ def _define_op() -> Any:
         return None
     ns = getattr(torch.ops, "syncless", None)
     if ns is None or not hasattr(ns, "log"):                 # once per process
-        lib = torch.library.Library("syncless", "FRAGMENT")
+        library: Callable[[str, str], Any] = torch.library.Library   # (unannotated in torch)
+        lib = library("syncless", "FRAGMENT")
         # SymInt: an explicit step= that Dynamo made dynamic reaches the op without a guard
         lib.define("log(Tensor(a!) token, Tensor[] values, float[] numbers, SymInt site, "
                    "SymInt? step) -> ()")
@@ -232,22 +238,23 @@ def _define_op() -> Any:
     return torch.ops.syncless.log.default
 
 
-def _log_kernel(token: torch.Tensor, values: list, numbers: list, site: int,
-                step: Optional[int]) -> None:
+def _log_kernel(token: torch.Tensor, values: list[torch.Tensor], numbers: list[float],
+                site: int, step: Optional[int]) -> None:
     _run(site, values, numbers, step)
 
 
-def _log_fake(token, values, numbers, site, step):
+def _log_fake(token: torch.Tensor, values: list[torch.Tensor], numbers: list[float], site: int,
+              step: Optional[int]) -> None:
     return None
 
 
-_libraries: list = []
+_libraries: list[Any] = []
 _log_op = _define_op()
 
 
 # ---- what Dynamo traces ------------------------------------------------------------------------
 
-def _traced_log():
+def _traced_log() -> Callable[[Any, Mapping[str, Any], Any], None]:
     """Logger.log while Dynamo traces, as a closure: what it uses is in its cells, so the trace
     reads no global of this module (Dynamo would then reach this module both as the logger's
     `_compile` and under its own name, and guard that they are one object with a Python lambda
@@ -266,10 +273,10 @@ def _traced_log():
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         names = tuple(metrics)
         again = ran_before(id(logger), names)       # numbers as tensor math (see the top)
-        values = []
-        numbers = []
-        kinds = []                                   # per name: a device, "number" or None
-        cuda = None
+        values: list[Any] = []
+        numbers: list[float] = []
+        kinds: list[Any] = []                        # per name: a device, "number" or None
+        cuda: torch.device | None = None
         for v in metrics.values():
             if isinstance(v, Tensor):
                 values.append(v)
@@ -318,6 +325,7 @@ _TIMER_REASON = ("syncless.timer() inside torch.compile: its CUDA events would m
 class _Disabled:
     """The timer's eager functions wrapped in torch.compiler.disable, made at the first trace
     that meets a timer (torch.compiler.disable imports torch._dynamo: seconds)."""
+    new: Callable[..., Any]         # timer_new's eager half, once made
 
 
 _disabled = _Disabled()
@@ -326,11 +334,13 @@ _disabled = _Disabled()
 @_trace_time
 def _make_disabled() -> int:
     if not hasattr(_disabled, "new"):
-        def wrap(fn):
+        disable: Callable[..., Callable[..., Any]] = torch.compiler.disable   # (unannotated)
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
-                return torch.compiler.disable(fn, reason=_TIMER_REASON)
+                return disable(fn, reason=_TIMER_REASON)
             except TypeError:                             # torch < 2.8: no reason=
-                return torch.compiler.disable(fn)
+                return disable(fn)
         _disabled.new = wrap(lambda cls, name, device, log, step:
                              cls()(name) if callable(name) else cls(name, device, log, step))
     return 0

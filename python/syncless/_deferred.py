@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._torch import MAX_CELLS     # the gather kernel's cells per log() call
-from .logger import Logger, check_max_delay
+from ._torch import MAX_CELLS, cuda_initialized   # MAX_CELLS: cells per log() call
+from ._checks import ADAPTER_EVERY, check_every, check_max_delay
+from .logger import Logger, Row
 
 _log = logging.getLogger("syncless")
 
@@ -43,12 +44,6 @@ _PART = object()                   # a row holding the first cells of a wider re
 _columns: list[str] = [str(i) for i in range(MAX_CELLS)]
 _columns_lock = threading.Lock()
 _good_names: set[str] = set()      # names check_name() passed
-
-
-def check_every(every: Any, max_delay: Any) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be a positive int, got {every!r}")
-    check_max_delay(max_delay)
 
 
 def check_name(name: Any, what: str = "metric") -> None:
@@ -78,7 +73,7 @@ class _Rows:
     """A Logger sink that hands whole windows to one function."""
     __slots__ = ("write",)
 
-    def __init__(self, write: Callable[[list], None]):
+    def __init__(self, write: Callable[[list[Row]], None]):
         self.write = write
 
 
@@ -113,14 +108,14 @@ class Deferred:
     the given one, the float a walltime tensor held, or the host time of the put() call.
     describe(record) -> (metric, text) names a failed record in the report."""
 
-    def __init__(self, replay: Callable[[Any, list, Any, float], None],
+    def __init__(self, replay: Callable[[Any, list[float], Any, float], None],
                  describe: Callable[[Any], tuple[str, str]], failures: Failures,
-                 every: int = 50, max_delay: float | None = 2.0,
+                 every: int = ADAPTER_EVERY, max_delay: float | None = 2.0,
                  step_name: str = "step", step_of: Callable[[Any], Any] | None = None,
                  step_tensor: Callable[[torch.Tensor], None] | None = None):
-        check_every(every, max_delay)
-        self.every = every
-        self.max_delay = max_delay          # the private Logger's: rows handed over that late
+        self.every = check_every(every)
+        # The private Logger's max_delay: rows are handed over that late at most.
+        self.max_delay = check_max_delay(max_delay)
         self.failures = failures
         self._replay = replay
         self._describe = describe
@@ -137,19 +132,11 @@ class Deferred:
     def errors(self) -> int:
         return self.failures.count
 
-    def __deepcopy__(self, memo: dict) -> "Deferred":
-        raise self._not_copyable()
+    def __deepcopy__(self, memo: dict[int, Any]) -> Deferred:
+        raise _not_copyable(self.failures.source)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise self._not_copyable()
-
-    def _not_copyable(self) -> TypeError:
-        # As syncless.Logger's: a copy would split one run's records between two loggers.
-        return TypeError(f"{self.failures.source}: this object cannot be deep-copied or pickled "
-                         "(neither can torch's or wandb's: it owns a syncless.Logger, a thread "
-                         "and open files); share the one object: keep it out of what gets "
-                         "copied or saved, or copy around it: copy.deepcopy(model, "
-                         "{id(writer): writer})")
+        raise _not_copyable(self.failures.source)
 
     # ---- the caller's thread ---------------------------------------------------------------
 
@@ -177,7 +164,7 @@ class Deferred:
         with self._lock:
             # Only once CUDA is in use (never initialised by this check): a replay of a
             # captured call would append rows that no call made, shifting every later record.
-            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            if cuda_initialized() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"{self.failures.source}: called during CUDA graph capture; "
                                    "log inside graphs with syncless.Logger instead")
             log = self._logger
@@ -204,7 +191,7 @@ class Deferred:
                     self._pending.pop(s, None)
                 self._seq = seq + 1                   # never reuse a step the logger saw
                 if isinstance(exc, (TypeError, ValueError)):
-                    raise self._renamed(exc, cells, names) from None
+                    raise _renamed(exc, cells, names, self._step_name) from None
                 raise
             self._seq = seq + 1
 
@@ -213,22 +200,9 @@ class Deferred:
         if step.dtype.is_floating_point or step.dtype.is_complex or step.dtype == torch.bool:
             raise TypeError(f"{self._step_name} must be an integer tensor, got {step.dtype}")
 
-    def _renamed(self, exc: Exception, cells: dict, names: Sequence[str]) -> Exception:
-        """The Logger's error about a private column, told with the user's name for it."""
-        text = str(exc)
-        for i, column in enumerate(cells):
-            key = f"metric {column!r}"
-            if key in text:
-                if column == _STEP:
-                    return type(exc)(text.replace(key, self._step_name, 1))
-                if column == _WALL:
-                    return type(exc)(text.replace(key, "walltime", 1))
-                return type(exc)(text.replace(key, f"metric {names[i]!r}", 1))
-        return exc
-
     # ---- the logger's delivery thread -------------------------------------------------------
 
-    def _deliver(self, rows: list) -> None:
+    def _deliver(self, rows: list[Row]) -> None:
         pending = self._pending
         for row in rows:
             entry = pending.pop(row.step, None)
@@ -274,6 +248,30 @@ class Deferred:
             log, self._logger = self._logger, None
         if log is not None:
             log.close()
+
+
+def _not_copyable(source: str) -> TypeError:
+    # As syncless.Logger's: a copy would split one run's records between two loggers.
+    return TypeError(f"{source}: this object cannot be deep-copied or pickled "
+                     "(neither can torch's or wandb's: it owns a syncless.Logger, a thread "
+                     "and open files); share the one object: keep it out of what gets "
+                     "copied or saved, or copy around it: copy.deepcopy(model, "
+                     "{id(writer): writer})")
+
+
+def _renamed(exc: Exception, cells: dict[str, Any], names: Sequence[str],
+             step_name: str) -> Exception:
+    """The Logger's error about a private column, told with the user's name for it."""
+    text = str(exc)
+    for i, column in enumerate(cells):
+        key = f"metric {column!r}"
+        if key in text:
+            if column == _STEP:
+                return type(exc)(text.replace(key, step_name, 1))
+            if column == _WALL:
+                return type(exc)(text.replace(key, "walltime", 1))
+            return type(exc)(text.replace(key, f"metric {names[i]!r}", 1))
+    return exc
 
 
 def _int_step(value: float, name: str) -> int:

@@ -11,11 +11,17 @@ warm-up), --no-flush (keep the L2 cache warm between reps), -d DEVICE, -o (retur
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from types import CodeType
+from typing import Any, Callable, TypeVar
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .timer import Stats, Timing, _device_name, _fmt, _parse_device, _resolve, bench, timer
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+# IPython's decorator, typed (IPython leaves it unannotated): it returns the function it marks.
+_line_cell_magic: Callable[[_F], _F] = line_cell_magic
 
 
 def _reading(t: Timing) -> str:
@@ -34,37 +40,50 @@ def _summary(s: Stats, warmup: int, flushed: bool, device: str) -> str:
 @magics_class
 class TimerMagics(Magics):
 
-    def _code(self, source: str, filename: str):
+    @property
+    def _ns(self) -> dict[str, Any]:
+        """The user's namespace (the shell is set once the magics are registered)."""
+        assert self.shell is not None
+        ns: dict[str, Any] = self.shell.user_ns
+        return ns
+
+    def _code(self, source: str, filename: str) -> CodeType:
+        assert self.shell is not None
         return compile(self.shell.transform_cell(source), filename, "exec")
 
-    def _function(self, statement: str):
+    def _function(self, statement: str) -> Callable[[], None]:
         """The statement as the body of a function whose globals are the user's namespace, so
         repeats pay no exec() per call."""
+        assert self.shell is not None
         body = self.shell.transform_cell(statement)
         src = "def __syncless_timed():\n" + textwrap.indent(body, "    ") + "    pass\n"
         local: dict[str, Any] = {}
-        exec(compile(src, "<gputimeit>", "exec"), self.shell.user_ns, local)
-        return local["__syncless_timed"]
+        exec(compile(src, "<gputimeit>", "exec"), self._ns, local)
+        fn: Callable[[], None] = local["__syncless_timed"]
+        return fn
 
-    @line_cell_magic
+    def _options(self, line: str, *spec: str) -> tuple[Any, str]:
+        """IPython's parse_options (unannotated there): (options, the rest of the line)."""
+        parse: Callable[..., tuple[Any, str]] = self.parse_options
+        return parse(line, *spec, posix=False, strict=False, preserve_non_opts=True)
+
+    @_line_cell_magic
     def gputime(self, line: str, cell: str | None = None) -> None:
         """Time one run of a statement or cell: GPU ms from CUDA events, CPU ms beside."""
-        opts, rest = self.parse_options(line, "d:", posix=False, strict=False,
-                                        preserve_non_opts=True)
+        opts, rest = self._options(line, "d:")
         code = self._code(cell if cell is not None else rest, "<gputime>")
-        ns = self.shell.user_ns
+        ns = self._ns
         with timer(device=opts.get("d")) as t:
             exec(code, ns)
         print(_reading(t))
 
-    @line_cell_magic
+    @_line_cell_magic
     def gputimeit(self, line: str, cell: str | None = None) -> Stats | None:
         """Benchmark a statement or cell: warm-up, repeats, median and spread."""
-        opts, rest = self.parse_options(line, "n:w:d:o", "no-flush", posix=False, strict=False,
-                                        preserve_non_opts=True)
+        opts, rest = self._options(line, "n:w:d:o", "no-flush")
         if cell is not None:
             if rest.strip():
-                exec(self._code(rest, "<gputimeit setup>"), self.shell.user_ns)
+                exec(self._code(rest, "<gputimeit setup>"), self._ns)
             statement = cell
         else:
             statement = rest

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 
-def _module_class(module: str, name: str):
+def _module_class(module: str, name: str) -> Any:
     """A class of an already imported module, or None: a value cannot be an instance of a class
     whose module nobody imported, and importing torch.distributed here would cost seconds."""
     mod = sys.modules.get(module)
@@ -62,10 +62,12 @@ def _step(name: str, value: torch.Tensor) -> torch.Tensor:
     if acs is not None and isinstance(value, acs):
         # The result of a functional collective: wait_tensor makes the current stream wait on
         # the collective (no host wait on NCCL) and hands back the plain tensor.
-        return value.trigger_wait()
+        waited: torch.Tensor = value.trigger_wait()
+        return waited
     functional = _module_class("torch._subclasses.functional_tensor", "FunctionalTensor")
     if functional is not None and isinstance(value, functional):
-        return value.elem                    # the C++ functional wrapper; unwrapped next step
+        inner: torch.Tensor = value.elem     # the C++ functional wrapper; unwrapped next step
+        return inner
     if cls is not torch.Tensor:
         if hasattr(value, "__tensor_flatten__"):
             raise TypeError(f"metric {name!r} is a {cls.__name__}, a tensor subclass that wraps "
@@ -100,7 +102,7 @@ def _step(name: str, value: torch.Tensor) -> torch.Tensor:
     if torch._is_functional_tensor(value):
         # torch.func.functionalize: the wrapper has no storage; its current value lives in the
         # tensor it wraps once pending mutations are applied.
-        torch._sync(value)
+        torch._sync(value)  # type: ignore[attr-defined,no-untyped-call]  # torch's own, private
         return torch._from_functional_tensor(value)
     if value._is_zerotensor():
         return torch.zeros((), dtype=value.dtype, device=value.device)
@@ -124,14 +126,16 @@ def _dtensor(name: str, value: Any) -> torch.Tensor:
                          f"shape {_shape(value)}")
     replicate = _module_class("torch.distributed.tensor", "Replicate")
     if all(isinstance(p, replicate) for p in value.placements):
-        return value.to_local()              # every rank holds the value: no communication
+        local: torch.Tensor = value.to_local()   # every rank holds the value: no communication
+        return local
     # Partial or Shard: one collective, which every rank of the mesh must enter (see above).
-    return value.full_tensor()
+    full: torch.Tensor = value.full_tensor()
+    return full
 
 
 #: Scalar types whose every instance is one real number (numpy's real scalar types, added as
 #: they are met): the C side reads them with float() and skips number(). Shared with C at bind.
-REAL_TYPES: dict = {}
+REAL_TYPES: dict[type, bool] = {}
 
 
 def number(name: str, value: Any) -> float:

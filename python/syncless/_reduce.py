@@ -14,12 +14,18 @@ size.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ._torch import _C
+
+if TYPE_CHECKING:
+    from .logger import Row
+
+# [(reduce op, the columns it takes, as an index tensor; None: all of them)]
+_Groups = list[tuple[str, torch.Tensor | None]]
 
 OPS = ("mean", "sum", "min", "max")
 
@@ -41,8 +47,8 @@ class Reducer:
         # A CPU group for the schema check, so comparing names never touches a GPU.
         self.cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self.checked = 0                 # how many names were last agreed on
-        self._cache_key = None
-        self._cache: list = []
+        self._cache_key: tuple[int, torch.device] | None = None
+        self._cache: _Groups = []
 
     def op(self, name: str) -> str:
         return self.per_metric.get(name, self.default)
@@ -51,7 +57,7 @@ class Reducer:
         if len(names) == self.checked and rows < 0:
             return
         mine = (sorted(names), rows)       # column order may differ; the set may not
-        everyone: list = [None] * self.world
+        everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.cpu_group)
         for rank, (their_names, their_rows) in enumerate(everyone):
             if their_names != mine[0]:
@@ -66,7 +72,7 @@ class Reducer:
                                  "must log the same number of steps")
         self.checked = len(names)
 
-    def _groups(self, names: list[str], device: torch.device) -> list:
+    def _groups(self, names: list[str], device: torch.device) -> _Groups:
         """[(op, column index tensor or None for all columns)], cached per schema and device."""
         key = (len(names), device)
         if self._cache_key != key:
@@ -86,7 +92,7 @@ class Reducer:
         return self._cache
 
     def _reduce(self, values: torch.Tensor, present: torch.Tensor, names: list[str],
-                group=None) -> tuple[torch.Tensor, torch.Tensor]:
+                group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """values/present: (rows, columns); returns reduced values and any-rank presence.
         One packet per reduce op: [values with absent cells neutral | presence]."""
         out = values.clone()
@@ -148,7 +154,7 @@ class Reducer:
 
     # ---- host rows --------------------------------------------------------------------------
 
-    def reduce_rows(self, rows: list, names: list[str]) -> list:
+    def reduce_rows(self, rows: list[Row], names: list[str]) -> list[Row]:
         """rows: the logger's Row tuples; returns them with reduced values (same type)."""
         self.check_schema(names, len(rows))
         n = len(names)

@@ -9,13 +9,18 @@ slow paths of ``_metric``.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import _C, _metric
 
 #: {torch.dtype: kind number of the gather kernel}, for every dtype this torch build has.
-DTYPE_KINDS: dict = {getattr(torch, name): kind for name, kind in _C.KINDS.items()
+DTYPE_KINDS: dict[torch.dtype, int] = {getattr(torch, name): kind for name, kind in _C.KINDS.items()
                      if isinstance(getattr(torch, name, None), torch.dtype)}
+#: torch.cuda.is_initialized, typed (torch leaves it unannotated): a flag check that never
+#: initialises CUDA, cheap enough for every call.
+cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 #: Cells one log() call may carry (the gather kernel's parameter block).
 MAX_CELLS: int = _C.MAX_CELLS
 
@@ -27,7 +32,7 @@ FAST_PATH: bool = _C.bind_torch(torch.Tensor, torch.nn.Parameter, DTYPE_KINDS,
 
 
 
-def _neg_probes() -> list:
+def _neg_probes() -> list[torch.Tensor]:
     """Tensors with and without the negative bit, as varied as the metrics a loop logs (views,
     autograd, parameters, inference mode, other dtypes), for ``_C.learn_neg_bit``."""
     a, z = torch.tensor([2.0, 3.0]), torch.tensor([1 + 2j])
@@ -53,4 +58,4 @@ def _learn_neg_bit() -> bool:
 #: Whether the C reader finds a tensor's negative bit in its key set (else it calls is_neg()).
 NEG_BIT_READ: bool = _learn_neg_bit()
 
-__all__ = ["_C", "DTYPE_KINDS", "MAX_CELLS", "FAST_PATH", "NEG_BIT_READ"]
+__all__ = ["_C", "DTYPE_KINDS", "MAX_CELLS", "FAST_PATH", "NEG_BIT_READ", "cuda_initialized"]

@@ -12,6 +12,7 @@ import json
 import os
 import time
 import warnings
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +20,23 @@ import torch.nn.functional as F
 import syncless
 
 METRICS = ("loss", "accuracy", "confidence", "grad_norm")
-DESCRIPTION = __doc__.split("\n\n", 1)[1]
+DESCRIPTION = (__doc__ or "").split("\n\n", 1)[1]
+
+Record = Callable[[int, "dict[str, torch.Tensor]"], None]   # record(step, metrics)
+Problem = tuple[torch.Tensor, torch.Tensor, torch.nn.Module, torch.optim.Optimizer]
 
 
-def make_problem(device: torch.device, seed: int = 0):
+class Run(NamedTuple):
+    """One way of logging: record each step, done() at the end, and the rows it logged."""
+    record: Record
+    done: Callable[[], None]
+    rows: list[tuple[int, dict[str, float]]]
+
+
+Factory = Callable[..., Run]                  # factory(path=None) -> Run
+
+
+def make_problem(device: torch.device, seed: int = 0) -> Problem:
     width = 1024 if device.type == "cuda" else 256      # keep the CPU run short
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4096, 256, generator=g)
@@ -36,7 +50,8 @@ def make_problem(device: torch.device, seed: int = 0):
     return x.to(device), y.to(device), model, opt
 
 
-def train(steps: int, device: torch.device, record, batch: int = 256, problem=None):
+def train(steps: int, device: torch.device, record: Record, batch: int = 256,
+          problem: Problem | None = None) -> None:
     """Run the loop; `record(step, metrics)` is the only thing that differs between runs."""
     x, y, model, opt = problem or make_problem(device)
     n = x.shape[0]
@@ -46,7 +61,7 @@ def train(steps: int, device: torch.device, record, batch: int = 256, problem=No
         logits = model(xb)
         loss = F.cross_entropy(logits, yb)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # (torch leaves it unannotated)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
@@ -57,11 +72,11 @@ def train(steps: int, device: torch.device, record, batch: int = 256, problem=No
                       "grad_norm": grad_norm})
 
 
-def count_syncs(device: torch.device, record_factory, steps: int = 5) -> float | None:
+def count_syncs(device: torch.device, record_factory: Factory, steps: int = 5) -> float | None:
     """Syncs per step as torch's sync debug mode sees them (GPU only)."""
     if device.type != "cuda":
         return None
-    record, done = record_factory()
+    record, done, _rows = record_factory()
     problem = make_problem(device)          # copying the data to the GPU is not the loop's cost
     record(0, {"warm": torch.zeros((), device=device)})   # first use: allocate, JIT
     torch.cuda.synchronize()
@@ -76,38 +91,38 @@ def count_syncs(device: torch.device, record_factory, steps: int = 5) -> float |
     return sum("synchroniz" in str(w.message) for w in caught) / steps
 
 
-def naive_factory(path: str | None = None):
-    rows = []
+def naive_factory(path: str | None = None) -> Run:
+    rows: list[tuple[int, dict[str, float]]] = []
 
-    def record(step, metrics):
+    def record(step: int, metrics: dict[str, torch.Tensor]) -> None:
         rows.append((step, {k: v.item() for k, v in metrics.items()}))
 
-    def done():
+    def done() -> None:
         if path:
             with open(path, "w") as f:
                 for step, values in rows:
                     f.write(json.dumps({"step": step, **values}) + "\n")
 
-    record.rows = rows
-    return record, done
+    return Run(record, done, rows)
 
 
-def syncless_factory(path: str | None = None):
-    rows = []
-    sinks = [syncless.sinks.Callback(lambda step, t, values: rows.append((step, values)))]
+def syncless_factory(path: str | None = None) -> Run:
+    rows: list[tuple[int, dict[str, float]]] = []
+    sinks: list[Any] = [
+        syncless.sinks.Callback(lambda step, t, values: rows.append((step, values)))]
     if path:
         sinks.append(syncless.sinks.JSONL(path, mode="w"))
     log = syncless.Logger(every=100, sinks=sinks)
 
-    def record(step, metrics):
+    def record(step: int, metrics: dict[str, torch.Tensor]) -> None:
         log.log(metrics, step=step)
 
-    record.rows = rows
-    return record, log.close
+    return Run(record, log.close, rows)
 
 
-def timed(device: torch.device, steps: int, factory, path: str):
-    record, done = factory(path)
+def timed(device: torch.device, steps: int, factory: Factory,
+          path: str) -> tuple[float, list[tuple[int, dict[str, float]]]]:
+    record, done, rows = factory(path)
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -115,7 +130,7 @@ def timed(device: torch.device, steps: int, factory, path: str):
     done()                                  # the syncless run's close() delivers everything
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3, record.rows
+    return (time.perf_counter() - t0) / steps * 1e3, rows
 
 
 def _steps(text: str) -> int:
@@ -154,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "missing (default: %(default)s)")
 
 
-def main(argv=None, prog: str = "python -m syncless.demo") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m syncless.demo") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
@@ -172,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     syncs = {"naive": count_syncs(device, naive_factory),
              "syncless": count_syncs(device, syncless_factory)}
     # Two interleaved rounds, best of each: the first run of a process pays warm-up costs.
-    best = {}
+    best: dict[str, tuple[float, list[tuple[int, dict[str, float]]]]] = {}
     for _ in range(2):
         for name, factory in (("naive", naive_factory), ("syncless", syncless_factory)):
             ms, rows = timed(device, args.steps, factory,
@@ -181,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 best[name] = (ms, rows)
     (ms_naive, naive_rows), (ms_sl, sl_rows) = best["naive"], best["syncless"]
 
-    def fmt_syncs(v):
+    def fmt_syncs(v: float | None) -> str:
         return "n/a on CPU" if v is None else f"{v:g}"
 
     print(f"\n{'':24}{'syncs/step':>12}{'ms/step':>10}")

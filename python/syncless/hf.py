@@ -85,11 +85,17 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .logger import Logger
+from ._checks import ADAPTER_EVERY, check_every
+from .logger import Logger, Row
+
+if TYPE_CHECKING:                        # what the mixin is mixed into
+    from transformers import Trainer as _Trainer
+else:
+    _Trainer = object
 
 __all__ = ["SynclessTrainerMixin", "SynclessTrainer"]
 
@@ -103,9 +109,9 @@ class _Rows:
     """The records Logger's sink: runs on the delivery thread and only appends (atomic)."""
 
     def __init__(self) -> None:
-        self.rows: collections.deque = collections.deque()
+        self.rows: collections.deque[Row] = collections.deque()
 
-    def write(self, rows: list) -> None:
+    def write(self, rows: list[Row]) -> None:
         self.rows.extend(rows)
 
 
@@ -132,138 +138,27 @@ def _is_trainer(cls: type) -> bool:
     return cls.__name__ == "Trainer" and cls.__module__.startswith("transformers.")
 
 
-class SynclessTrainerMixin:
-    """Mix into any `transformers.Trainer` subclass, first: `class T(SynclessTrainerMixin, X)`.
+class _State(_Trainer):
+    """The attributes the mixin keeps on the trainer (set in SynclessTrainerMixin.__init__ and
+    at the start of each training loop), shared by the two concerns below."""
+    syncless: Logger | None
+    syncless_waits: int
+    syncless_log_at_step: bool
+    _sl_active: bool                     # this training loop runs with syncless
+    _sl_own_logging: bool                # a class of the user's overrides the logging step
+    _sl_filter_off: bool                 # args.logging_nan_inf_filter is off until restored
+    _sl_delivering: bool                 # inside the log() of a delivered logging step
+    _sl_step_loss: torch.Tensor | None   # the optimizer step's loss so far
+    _sl_tokens: torch.Tensor | None      # the device token count, once there is one
+    _sl_last_step: int                   # the last step logged to trainer.syncless
+    _sl_rows: _Rows
+    _sl_records: Logger                  # one row per logging step
+    _sl_pending: collections.deque[_Record]
 
-    syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger).
-    syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
-    syncless_every_step: False skips the per-step Logger (a gather kernel per step);
-        `trainer.syncless` is then None and the logging steps are all that is recorded.
-    syncless_log_at_step: True calls `log()` (so `on_log`, `report_to`, `log_history`) at its
-        logging step, as the Trainer does, after one wait for that step's values; False when
-        they arrive, before the next step's `on_step_end` at the latest; None (default): True
-        when a class of the trainer overrides `log()` (TRL's trainers do), False otherwise.
-    syncless_non_blocking: True (None, the default, when `dataloader_pin_memory` is on) copies
-        each batch to the device without blocking the host, as
-        `accelerator_config={"non_blocking": True}` does; False leaves the copies as
-        `accelerator_config` says (the Trainer cannot tell its default `non_blocking: False`
-        from one the user wrote, so an explicit False must be said here).
-    """
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # Trainer's methods do not call super(): a mixin after it in the MRO would never run.
-        mro = cls.__mro__
-        trainer = next((i for i, c in enumerate(mro) if _is_trainer(c)), None)
-        if trainer is not None and trainer < mro.index(SynclessTrainerMixin):
-            raise TypeError(f"{cls.__name__}: SynclessTrainerMixin must come before "
-                            f"{mro[1].__name__} in the bases (class {cls.__name__}("
-                            f"SynclessTrainerMixin, {mro[1].__name__})); after it, it is "
-                            "never called")
-
-    def __init__(self, *args: Any, syncless_every: int = 50,
-                 syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
-                 syncless_log_at_step: bool | None = None,
-                 syncless_non_blocking: bool | None = None, **kwargs: Any):
-        if isinstance(syncless_every, bool) or not isinstance(syncless_every, int) \
-                or syncless_every < 1:
-            raise ValueError(f"syncless_every must be a positive int, got {syncless_every!r}")
-        if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
-            raise ValueError(f"syncless_log_at_step must be True, False or None, got "
-                             f"{syncless_log_at_step!r}")
-        if not (syncless_non_blocking is None or isinstance(syncless_non_blocking, bool)):
-            raise ValueError(f"syncless_non_blocking must be True, False or None, got "
-                             f"{syncless_non_blocking!r}")
-        self.syncless_non_blocking = syncless_non_blocking
-        if syncless_log_at_step is None:
-            syncless_log_at_step = any("log" in vars(c) for c in type(self).__mro__
-                                       if c is not SynclessTrainerMixin and not _is_trainer(c))
-        self.syncless_log_at_step = syncless_log_at_step
-        # A class of the user's that overrides _maybe_log_save_evaluate logs in its own way:
-        # it keeps the Trainer's logging and token count (and their syncs).
-        self._sl_own_logging = any("_maybe_log_save_evaluate" in vars(c)
-                                   for c in type(self).__mro__
-                                   if c is not SynclessTrainerMixin and not _is_trainer(c))
-        if hasattr(syncless_sinks, "write"):
-            syncless_sinks = [syncless_sinks]
-        self.syncless_every = syncless_every
-        self.syncless_sinks = list(syncless_sinks)
-        if self.syncless_sinks and not syncless_every_step:
-            raise ValueError("syncless_sinks need syncless_every_step=True (they get its rows)")
-        self.syncless_every_step = syncless_every_step
-        self.syncless: Logger | None = None
-        self._sl_active = False
-        self._sl_filter_off = False
-        self._sl_delivering = False
-        self.syncless_waits = 0              # waits for a logging step's row (see the docstring)
-        super().__init__(*args, **kwargs)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        # The batch's host-to-device copy without a wait (accelerate's DataLoader config, read
-        # here from args.accelerator_config): set for the Accelerator's creation only, so the
-        # user's arguments (saved with checkpoints) stay as they were written.
-        config = getattr(self.args, "accelerator_config", None)
-        on = self.syncless_non_blocking
-        if on is None:
-            on = bool(getattr(self.args, "dataloader_pin_memory", False))
-        if not on or config is None or getattr(config, "non_blocking", True):
-            return super().create_accelerator_and_postprocess()
-        config.non_blocking = True
-        try:
-            return super().create_accelerator_and_postprocess()
-        finally:
-            config.non_blocking = False
-
-    # ---- the training run ----------------------------------------------------------------
-
-    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers.utils import is_torch_xla_available
-        # The loop this mixin works with (transformers >= 5.17): the loss accumulates in
-        # self._tr_loss, tokens are counted in _track_num_input_tokens. Otherwise: plain Trainer.
-        self._sl_active = (not is_torch_xla_available() and hasattr(self, "_run_epoch")
-                           and hasattr(self, "_track_num_input_tokens"))
-        if not self._sl_active:
-            return super()._inner_training_loop(*args, **kwargs)
-        self.syncless = (Logger(every=self.syncless_every, sinks=self.syncless_sinks)
-                         if self.syncless_every_step else None)
-        self._sl_rows = _Rows()
-        # One copy per logging step; 16 windows let the host run 16 logging steps ahead of the
-        # GPU (logging_steps=1 on a GPU-bound model) before it would wait.
-        self._sl_records = Logger(every=1, windows=16, sinks=[self._sl_rows], sinks_on="all")
-        self._sl_pending: collections.deque = collections.deque()
-        self._sl_step_loss: torch.Tensor | None = None
-        self._sl_tokens: torch.Tensor | None = None
-        self._sl_filter_off = False
-        self._sl_last_step = -1
-        self.syncless_waits = 0
-        # The logs of the steps before go first at these events (see _sl_logs_first); the
-        # handler's own attributes, if someone set them, are put back afterwards.
-        handler = self.callback_handler
-        kept = {name: vars(handler).get(name, _UNSET) for name in ("on_step_end", "on_epoch_end")}
-        for name in kept:
-            setattr(handler, name, self._sl_logs_first(getattr(handler, name)))
-        ok = False
-        try:
-            out = super()._inner_training_loop(*args, **kwargs)
-            ok = True
-            return out
-        finally:
-            for name, own in kept.items():
-                if own is _UNSET:
-                    vars(handler).pop(name, None)
-                else:
-                    setattr(handler, name, own)
-            self._sl_restore_filter()
-            try:
-                if not ok:                   # still hand over every logged step
-                    self._sl_drain(wait=True)
-            except Exception as exc:
-                _log.error("syncless: delivering the last logs after an error failed: %s", exc)
-            finally:
-                self._sl_active = False
-                self._sl_records.close()
-                if self.syncless is not None:
-                    self.syncless.close()
+class _DeviceValues(_State):
+    """What a micro-batch adds, kept on the device: the NaN/Inf filter, the step's loss and the
+    token count (no sync per micro-batch), and the step's row of `trainer.syncless`."""
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -306,7 +201,8 @@ class SynclessTrainerMixin:
         mode = self.args.include_num_input_tokens_seen
         main = getattr(self.model, "main_input_name", "input_ids")
         if not self._sl_active or self._sl_own_logging or mode == "no" or main not in inputs:
-            return super()._track_num_input_tokens(inputs)
+            super()._track_num_input_tokens(inputs)  # type: ignore[no-untyped-call]  # (HF's)
+            return
         if mode == "non_padding":
             pad = getattr(self.processing_class, "pad_token_id", None)
             if "attention_mask" in inputs:
@@ -314,7 +210,8 @@ class SynclessTrainerMixin:
             elif pad is not None:
                 count = (inputs[main] != pad).sum()
             else:                            # the Trainer's warning, then all tokens (a sync)
-                return super()._track_num_input_tokens(inputs)
+                super()._track_num_input_tokens(inputs)  # type: ignore[no-untyped-call]
+                return
         else:
             count = inputs[main].numel()
         device = self.args.device
@@ -336,70 +233,70 @@ class SynclessTrainerMixin:
             count = self.accelerator.gather(count).sum()
         self._sl_tokens += count
 
-    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, model: Any, trial: Any,
-                                 epoch: Any, ignore_keys_for_eval: Any, start_time: Any,
-                                 learning_rate: float | None = None, **kwargs: Any) -> None:
-        self._sl_restore_filter()
-        if not self._sl_active:
-            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
-                                                    ignore_keys_for_eval, start_time,
-                                                    learning_rate=learning_rate, **kwargs)
+    def _sl_log_step(self, step: int, norm: Any, learning_rate: float | None) -> float | None:
+        """A new optimizer step's row of `trainer.syncless` (no sync); the learning rate read
+        for it, or None when there is no new step or no Logger."""
+        if step == self._sl_last_step or self.syncless is None:
+            return None
+        self._sl_last_step = step
+        lr = learning_rate if learning_rate is not None else self._get_learning_rate()
+        row: dict[str, Any] = {}
+        if self._sl_step_loss is not None:
+            row["loss"] = self._sl_step_loss
+        if norm is not None:
+            row["grad_norm"] = norm
+        row["learning_rate"] = lr
+        if self.state.epoch is not None:
+            row["epoch"] = self.state.epoch
+        if self._sl_tokens is not None:
+            row["num_input_tokens_seen"] = self._sl_tokens
+        elif self.args.include_num_input_tokens_seen != "no":
+            row["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        self.syncless.log(row, step=step)
+        self._sl_step_loss = None            # the next micro-batch starts the next step's sum
+        return lr
+
+
+class _LoggedSteps(_State):
+    """The logging steps on their way: each one's device values are one row of a private
+    Logger, its host facts a _Record; when the row arrives, on the training thread, the
+    Trainer's own log() is called with the values and the state of that step."""
+
+    def _sl_start(self) -> None:
+        self._sl_rows = _Rows()
+        # One copy per logging step; 16 windows let the host run 16 logging steps ahead of the
+        # GPU (logging_steps=1 on a GPU-bound model) before it would wait.
+        self._sl_records = Logger(every=1, windows=16, sinks=[self._sl_rows], sinks_on="all")
+        self._sl_pending = collections.deque()
+
+    def _sl_record(self, tr_loss: Any, norm: Any, lr: float | None,
+                   learning_rate: float | None, start_time: Any) -> None:
+        """The logging step: its values to the Logger (no sync), the rest kept for log()."""
+        from transformers.trainer_pt_utils import nested_gather
         state = self.state
         step = state.global_step
-        norm = grad_norm
-        if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()        # a DTensor (FSDP2): its data pointer is no value
-        lr = None
-        if step != self._sl_last_step and self.syncless is not None:   # a new optimizer step
-            self._sl_last_step = step
+        values = {"loss": nested_gather(  # type: ignore[no-untyped-call]  # (unannotated)
+            tr_loss, self.args.parallel_mode).mean()}
+        host_norm = None
+        if isinstance(norm, torch.Tensor):
+            values["grad_norm"] = norm
+        elif norm is not None:
+            host_norm = norm
+        if self._sl_tokens is not None:
+            values["tokens"] = self._sl_tokens
+        if lr is None:
             lr = learning_rate if learning_rate is not None else self._get_learning_rate()
-            row: dict[str, Any] = {}
-            if self._sl_step_loss is not None:
-                row["loss"] = self._sl_step_loss
-            if norm is not None:
-                row["grad_norm"] = norm
-            row["learning_rate"] = lr
-            if state.epoch is not None:
-                row["epoch"] = state.epoch
-            if self._sl_tokens is not None:
-                row["num_input_tokens_seen"] = self._sl_tokens
-            elif self.args.include_num_input_tokens_seen != "no":
-                row["num_input_tokens_seen"] = state.num_input_tokens_seen
-            self.syncless.log(row, step=step)
-            self._sl_step_loss = None        # the next micro-batch starts the next step's sum
-        if self._sl_own_logging:
-            return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
-                                                    ignore_keys_for_eval, start_time,
-                                                    learning_rate=learning_rate, **kwargs)
-        if self.control.should_log and step > self._globalstep_last_logged:
-            from transformers.trainer_pt_utils import nested_gather
-            values = {"loss": nested_gather(tr_loss, self.args.parallel_mode).mean()}
-            host_norm = None
-            if isinstance(norm, torch.Tensor):
-                values["grad_norm"] = norm
-            elif norm is not None:
-                host_norm = norm
-            if self._sl_tokens is not None:
-                values["tokens"] = self._sl_tokens
-            if lr is None:
-                lr = learning_rate if learning_rate is not None else self._get_learning_rate()
-            self._sl_records.log(values, step=step)
-            tr_loss -= tr_loss
-            steps = step - self._globalstep_last_logged
-            self._globalstep_last_logged = step
-            self.store_flos()
-            self._sl_pending.append(_Record(step, steps, host_norm, lr, state.epoch,
-                                            state.total_flos, state.num_input_tokens_seen,
-                                            start_time))
-            self.control.should_log = False  # what the Trainer's on_log would have done
-            if self.syncless_log_at_step:
-                self._sl_records.flush()     # log() runs now, as the Trainer's does
-        self._sl_drain()
-        if (self.control.should_evaluate or self.control.should_save) and self._sl_pending:
-            self._sl_drain(wait=True)        # evaluation and checkpoints see every log first
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
-                                                ignore_keys_for_eval, start_time,
-                                                learning_rate=learning_rate, **kwargs)
+        self._sl_records.log(values, step=step)
+        tr_loss -= tr_loss
+        steps = step - self._globalstep_last_logged
+        self._globalstep_last_logged = step
+        self.store_flos()
+        self._sl_pending.append(_Record(step, steps, host_norm, lr, state.epoch,
+                                        state.total_flos, state.num_input_tokens_seen,
+                                        start_time))
+        self.control.should_log = False      # what the Trainer's on_log would have done
+        if self.syncless_log_at_step:
+            self._sl_records.flush()         # log() runs now, as the Trainer's does
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._sl_active and not self._sl_delivering:
@@ -411,15 +308,7 @@ class SynclessTrainerMixin:
             if self._sl_tokens is not None:
                 self.state.num_input_tokens_seen = max(self.state.num_input_tokens_seen,
                                                        int(self._sl_tokens.item()))
-        return super().log(logs, start_time)
-
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
-        self._sl_restore_filter()
-        if self._sl_active:
-            self._sl_drain(wait=True)
-        return super()._finalize_training(*args, **kwargs)
-
-    # ---- delivery, on the training thread -------------------------------------------------
+        super().log(logs, start_time)
 
     def _sl_logs_first(self, own: Any) -> Any:
         """The callback handler's on_step_end (on_epoch_end): the logs of the steps before go
@@ -459,7 +348,7 @@ class SynclessTrainerMixin:
         if tokens is not None and int(tokens) > self.state.num_input_tokens_seen:
             self.state.num_input_tokens_seen = int(tokens)
 
-    def _sl_deliver(self, row: Any, rec: _Record) -> None:
+    def _sl_deliver(self, row: Row, rec: _Record) -> None:
         values = row.values
         loss = values["loss"]
         logs: dict[str, float] = {"loss": loss / rec.steps}
@@ -484,6 +373,176 @@ class SynclessTrainerMixin:
             self._sl_delivering = False
             state.global_step, state.epoch, state.total_flos = now[0], now[1], now[3]
             state.num_input_tokens_seen = max(now[2], tokens)
+
+    def _sl_stop(self, ok: bool) -> None:
+        """The end of a training loop: every logged step handed over (after an error too), the
+        Loggers closed."""
+        try:
+            if not ok:                       # still hand over every logged step
+                self._sl_drain(wait=True)
+        except Exception as exc:
+            _log.error("syncless: delivering the last logs after an error failed: %s", exc)
+        finally:
+            self._sl_active = False
+            self._sl_records.close()
+            if self.syncless is not None:
+                self.syncless.close()
+
+
+
+class SynclessTrainerMixin(_LoggedSteps, _DeviceValues):
+    """Mix into any `transformers.Trainer` subclass, first: `class T(SynclessTrainerMixin, X)`.
+
+    syncless_every: optimizer steps per copy of `trainer.syncless` (the per-step Logger;
+        default 50, a positive int).
+    syncless_sinks: sinks for `trainer.syncless` (syncless.sinks.JSONL(...), CSV, TensorBoard...).
+    syncless_every_step: False skips the per-step Logger (a gather kernel per step);
+        `trainer.syncless` is then None and the logging steps are all that is recorded.
+    syncless_log_at_step: True calls `log()` (so `on_log`, `report_to`, `log_history`) at its
+        logging step, as the Trainer does, after one wait for that step's values; False when
+        they arrive, before the next step's `on_step_end` at the latest; None (default): True
+        when a class of the trainer overrides `log()` (TRL's trainers do), False otherwise.
+    syncless_non_blocking: True (None, the default, when `dataloader_pin_memory` is on) copies
+        each batch to the device without blocking the host, as
+        `accelerator_config={"non_blocking": True}` does; False leaves the copies as
+        `accelerator_config` says (the Trainer cannot tell its default `non_blocking: False`
+        from one the user wrote, so an explicit False must be said here).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Trainer's methods do not call super(): a mixin after it in the MRO would never run.
+        mro = cls.__mro__
+        trainer = next((i for i, c in enumerate(mro) if _is_trainer(c)), None)
+        if trainer is not None and trainer < mro.index(SynclessTrainerMixin):
+            raise TypeError(f"{cls.__name__}: SynclessTrainerMixin must come before "
+                            f"{mro[1].__name__} in the bases (class {cls.__name__}("
+                            f"SynclessTrainerMixin, {mro[1].__name__})); after it, it is "
+                            "never called")
+
+    def __init__(self, *args: Any, syncless_every: int = ADAPTER_EVERY,
+                 syncless_sinks: Iterable[Any] | Any = (), syncless_every_step: bool = True,
+                 syncless_log_at_step: bool | None = None,
+                 syncless_non_blocking: bool | None = None, **kwargs: Any):
+        check_every(syncless_every, "syncless_every")
+        if not (syncless_log_at_step is None or isinstance(syncless_log_at_step, bool)):
+            raise ValueError(f"syncless_log_at_step must be True, False or None, got "
+                             f"{syncless_log_at_step!r}")
+        if not (syncless_non_blocking is None or isinstance(syncless_non_blocking, bool)):
+            raise ValueError(f"syncless_non_blocking must be True, False or None, got "
+                             f"{syncless_non_blocking!r}")
+        self.syncless_non_blocking = syncless_non_blocking
+        if syncless_log_at_step is None:
+            syncless_log_at_step = any("log" in vars(c) for c in _theirs(type(self)))
+        self.syncless_log_at_step = syncless_log_at_step
+        # A class of the user's that overrides _maybe_log_save_evaluate logs in its own way:
+        # it keeps the Trainer's logging and token count (and their syncs).
+        self._sl_own_logging = any("_maybe_log_save_evaluate" in vars(c)
+                                   for c in _theirs(type(self)))
+        if hasattr(syncless_sinks, "write"):
+            syncless_sinks = [syncless_sinks]
+        self.syncless_every = syncless_every
+        self.syncless_sinks = list(syncless_sinks)
+        if self.syncless_sinks and not syncless_every_step:
+            raise ValueError("syncless_sinks need syncless_every_step=True (they get its rows)")
+        self.syncless_every_step = syncless_every_step
+        self.syncless: Logger | None = None
+        self._sl_active = False
+        self._sl_filter_off = False
+        self._sl_delivering = False
+        self.syncless_waits = 0              # waits for a logging step's row (see the docstring)
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # The batch's host-to-device copy without a wait (accelerate's DataLoader config, read
+        # here from args.accelerator_config): set for the Accelerator's creation only, so the
+        # user's arguments (saved with checkpoints) stay as they were written.
+        config = getattr(self.args, "accelerator_config", None)
+        on = self.syncless_non_blocking
+        if on is None:
+            on = bool(getattr(self.args, "dataloader_pin_memory", False))
+        if not on or config is None or getattr(config, "non_blocking", True):
+            super().create_accelerator_and_postprocess()
+            return
+        config.non_blocking = True
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            config.non_blocking = False
+
+    # ---- the training run ----------------------------------------------------------------
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.utils.import_utils import is_torch_xla_available
+        # The loop this mixin works with (transformers >= 5.17): the loss accumulates in
+        # self._tr_loss, tokens are counted in _track_num_input_tokens. Otherwise: plain Trainer.
+        self._sl_active = (not is_torch_xla_available() and hasattr(self, "_run_epoch")
+                           and hasattr(self, "_track_num_input_tokens"))
+        if not self._sl_active:
+            return super()._inner_training_loop(*args, **kwargs)
+        self.syncless = (Logger(every=self.syncless_every, sinks=self.syncless_sinks)
+                         if self.syncless_every_step else None)
+        self._sl_start()
+        self._sl_step_loss = None
+        self._sl_tokens = None
+        self._sl_filter_off = False
+        self._sl_last_step = -1
+        self.syncless_waits = 0
+        # The logs of the steps before go first at these events (see _sl_logs_first); the
+        # handler's own attributes, if someone set them, are put back afterwards.
+        handler = self.callback_handler
+        kept = {name: vars(handler).get(name, _UNSET) for name in ("on_step_end", "on_epoch_end")}
+        for name in kept:
+            setattr(handler, name, self._sl_logs_first(getattr(handler, name)))
+        ok = False
+        try:
+            out = super()._inner_training_loop(*args, **kwargs)
+            ok = True
+            return out
+        finally:
+            for name, own in kept.items():
+                if own is _UNSET:
+                    vars(handler).pop(name, None)
+                else:
+                    setattr(handler, name, own)
+            self._sl_restore_filter()
+            self._sl_stop(ok)
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, model: Any, trial: Any,
+                                 epoch: Any, ignore_keys_for_eval: Any, start_time: Any,
+                                 learning_rate: float | None = None, **kwargs: Any) -> None:
+        self._sl_restore_filter()
+        if self._sl_active:
+            norm = grad_norm
+            if isinstance(norm, torch.Tensor) and hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()    # a DTensor (FSDP2): its data pointer is no value
+            lr = self._sl_log_step(self.state.global_step, norm, learning_rate)
+            if not self._sl_own_logging:
+                if (self.control.should_log
+                        and self.state.global_step > self._globalstep_last_logged):
+                    self._sl_record(tr_loss, norm, lr, learning_rate, start_time)
+                self._sl_drain()
+                if (self.control.should_evaluate or self.control.should_save) \
+                        and self._sl_pending:
+                    self._sl_drain(wait=True)    # evaluation and checkpoints see every log first
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch,
+                                         ignore_keys_for_eval, start_time,
+                                         learning_rate=learning_rate, **kwargs)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self._sl_restore_filter()
+        if self._sl_active:
+            self._sl_drain(wait=True)
+        return super()._finalize_training(  # type: ignore[no-untyped-call]  # (unannotated)
+            *args, **kwargs)
+
+
+def _theirs(cls: type) -> list[type]:
+    """The classes of a trainer's MRO that are neither syncless's nor transformers.Trainer."""
+    return [c for c in cls.__mro__ if c not in _OURS and not _is_trainer(c)]
+
+
+_OURS = frozenset({SynclessTrainerMixin, _LoggedSteps, _DeviceValues, _State})
 
 
 def _trainer_class() -> type:

@@ -80,13 +80,14 @@ import copy
 import importlib
 import numbers
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 import torch
 
+from ._checks import LIGHTNING_EVERY, check_every, check_max_delay
 from ._torch import MAX_CELLS
-from .logger import Logger, check_max_delay
-from .rows import RESERVED, check_sinks as _check_sinks
+from .logger import Logger
+from .rows import RESERVED, Row, check_sinks
 
 __all__ = ["SynclessLogging", "SynclessLoggingPL"]
 
@@ -97,12 +98,31 @@ _STEP_HOOKS = frozenset({
     "configure_gradient_clipping", "clip_gradients", "on_before_zero_grad", "optimizer_zero_grad",
 })
 
-_classes: dict[str, type] = {}
-
 # Lightning metric names that syncless keeps for its rows' own fields ("step", "time"): the
 # Logger's column for each, and back.
 _COLUMN = {name: f"lightning/{name}" for name in RESERVED}
 _NAME = {column: name for name, column in _COLUMN.items()}
+
+_Send = Callable[..., Any]              # a Lightning logger's own log_metrics
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    """torch.compiler.disable(fn): a compiled training_step calls the log wrappers eagerly."""
+    disable: Callable[[_F], _F] = torch.compiler.disable     # (torch leaves it unannotated)
+    return disable(fn)
+
+
+class _Package:
+    """What the callback takes from one Lightning package (lightning.pytorch or
+    pytorch_lightning): its Callback base, its default dtype and its misconfiguration error."""
+
+    def __init__(self, name: str):
+        self.callback: type = importlib.import_module(name).Callback
+        result = importlib.import_module(f"{name}.trainer.connectors.logger_connector.result")
+        self.default_dtype: Callable[[], torch.dtype] = result._get_default_dtype
+        self.misconfiguration: type[Exception] = importlib.import_module(
+            f"{name}.utilities.exceptions").MisconfigurationException
 
 
 class _Batch:
@@ -113,7 +133,7 @@ class _Batch:
         self.step = step                 # the step Lightning's log_metrics would use
         self.epoch = epoch
         self.log_now = False             # Lightning logs this batch's step metrics
-        self.keys: tuple = ()
+        self.keys: tuple[str, ...] = ()
         self.rows = 0                    # Logger rows of this batch (one per MAX_CELLS metrics)
 
 
@@ -125,7 +145,7 @@ class _Direct:
     rows = 0
     log_now = False
 
-    def __init__(self, send: Any, args: tuple, kwargs: dict):
+    def __init__(self, send: _Send, args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.send = send                 # the logger's own log_metrics
         self.args = args                 # the call as the caller made it (positional or not)
         self.kwargs = kwargs
@@ -139,7 +159,7 @@ class _KeptOpen:
     def __init__(self, sink: Any):
         self.sink = sink
 
-    def write(self, rows: list) -> None:
+    def write(self, rows: list[Row]) -> None:
         self.sink.write(rows)
 
     def flush(self) -> None:
@@ -157,397 +177,454 @@ class _Rows:
     """The Logger's sink: runs on the delivery thread, only appends (deque.append is atomic)."""
 
     def __init__(self) -> None:
-        self.rows: collections.deque = collections.deque()
+        self.rows: collections.deque[Row] = collections.deque()
 
-    def write(self, rows: list) -> None:
+    def write(self, rows: list[Row]) -> None:
         self.rows.extend(rows)
 
 
-def _build(pkg_name: str) -> type:
-    pl = importlib.import_module(pkg_name)
-    result = importlib.import_module(f"{pkg_name}.trainer.connectors.logger_connector.result")
-    default_dtype = result._get_default_dtype
-    Misconfiguration = importlib.import_module(
-        f"{pkg_name}.utilities.exceptions").MisconfigurationException
+class _Capture:
+    """The fit's `self.log` replacement and what it keeps: the keys seen (with the user's flags)
+    and the open batch's device values, never read on the host."""
 
-    class SynclessLogging(pl.Callback):
-        """Route on-step `self.log` values through a syncless Logger (see the module docstring).
+    def __init__(self, package: _Package, ours: Callable[[Any, str | None], bool]):
+        self.package = package
+        self.ours = ours                      # is this a training batch hook of our fit?
+        self.keys: dict[str, tuple[str, bool, bool]] = {}   # key -> (name, prog_bar, logger)
+        self.pbar_keys: set[str] = set()
+        self.pending: dict[str, torch.Tensor] = {}
+        self.open: _Batch | None = None
+        self._module: Any = None
+        self._results: Any = None
 
-        every: batches per device-to-host copy (how late the progress bar and loggers are).
-        max_delay: seconds after which a batch's values are copied back anyway, when `every`
-            batches take longer (the Logger's max_delay; None: only every `every` batches).
-            The first batch of each fit is copied back at once, so the progress bar shows a
-            value from the second batch (on a GPU: once the GPU finished the first batch).
-        sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
-            Lightning's step, from the delivery thread (on a GPU; without one, from the
-            training thread as each window is handed over: no thread is needed to wait for
-            copies there). A metric named `step` or `time` (the
-            rows' own fields) comes as `lightning/step`, `lightning/time`; a batch that logs more
-            metrics than one gather kernel holds (248) comes as several rows at its step. The
-            sinks are flushed at the end of every fit and stay open for the next one (one
-            callback can serve several fits): close them when you are done.
-        """
+    def install(self, trainer: Any, pl_module: Any) -> None:
+        """Two wrappers for the fit. The module's `log` only turns a Python number into a
+        device tensor with torch.full (a kernel argument instead of torch.tensor(v,
+        device=...)'s pageable copy); everything else reaches Lightning's own `log` (or the
+        user's override of it) as given. The training results' `log`, where every `self.log`
+        ends with its final key, on_step and flags, sends on-step values to Lightning with
+        prog_bar and logger off, and records them for the syncless Logger."""
+        results = _train_results(trainer)
+        pl_module.__dict__["log"] = self._module_log(pl_module)
+        results.__dict__["log"] = self._results_log(trainer, results)
+        self._module = pl_module
+        self._results = results
 
-        def __init__(self, every: int = 16, sinks: Iterable[Any] | Any = (),
-                     max_delay: float | None = 0.5):
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"SynclessLogging: every must be a positive int, got {every!r}")
-            try:
-                check_max_delay(max_delay)
-            except ValueError as exc:
-                raise ValueError(f"SynclessLogging: {exc}") from None
-            self.every = every
-            self.max_delay = max_delay
-            self._user_sinks = _check_sinks(sinks)   # the Logger's own checks, at once
-            self.syncless: Logger | None = None
-            self._rows = _Rows()
-            self._module: Any = None
-            self._results: Any = None
-            self._keys: dict[str, tuple] = {}     # result key -> (forked name, prog_bar, logger)
-            self._pending: dict[str, Any] = {}
-            self._open: _Batch | None = None
-            self._batches: collections.deque = collections.deque()
-            self._current: dict[str, float] = {}
-            self._pbar_keys: set[str] = set()
-            self._loggers: list = []             # (logger, its own log_metrics, was patched)
-            self._trainer: Any = None            # weakref to the trainer the keys belong to
-            self._connector: Any = None          # (its logger connector, was patched, own method)
+    def _module_log(self, pl_module: Any) -> Callable[..., None]:
+        own_module_log = type(pl_module).log.__get__(pl_module)
+        ours, default_dtype = self.ours, self.package.default_dtype
 
-        def __getstate__(self) -> dict:
-            # What a pickle or deepcopy carries (ddp_spawn pickles the trainer with its
-            # callbacks): the settings; a fit's Logger, thread and hooks are its own.
-            return {"every": self.every, "sinks": self._user_sinks, "max_delay": self.max_delay}
+        @_eager
+        def module_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if (isinstance(value, numbers.Number) and pl_module._trainer is not None
+                    and ours(pl_module._trainer, pl_module._current_fx_name)):
+                # (a complex Number fails in float(), as without the callback)
+                value = torch.full((), float(value),  # type: ignore[arg-type]
+                                   dtype=default_dtype(), device=pl_module.device)
+            own_module_log(name, value, *args, **kwargs)
 
-        def __setstate__(self, state: dict) -> None:
-            self.__init__(state["every"], state["sinks"], state.get("max_delay", 0.5))
+        return module_log
 
-        # ---- the log replacement ------------------------------------------------------------
+    def _results_log(self, trainer: Any, results: Any) -> Callable[..., None]:
+        own_results_log = results.log
+        capture = self
 
-        def _ours(self, trainer: Any, fx: str | None) -> bool:
-            """A training batch hook of a fit we run in. (The Tuner's trial runs, inside our fit
-            or not, swap the callbacks and loggers out: they log as they would without us.)"""
-            return (fx in _STEP_HOOKS and trainer.training and self.syncless is not None
-                    and self in trainer.callbacks)
-
-        def _install(self, trainer: Any, pl_module: Any) -> None:
-            """Two wrappers for the fit. The module's `log` only turns a Python number into a
-            device tensor with torch.full (a kernel argument instead of torch.tensor(v,
-            device=...)'s pageable copy); everything else reaches Lightning's own `log` (or the
-            user's override of it) as given. The training results' `log`, where every
-            `self.log` ends with its final key, on_step and flags, sends on-step values to
-            Lightning with prog_bar and logger off, and records them for the syncless Logger."""
-            cb = self
-            own_module_log = type(pl_module).log.__get__(pl_module)
-
-            @torch.compiler.disable
-            def module_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-                if (isinstance(value, numbers.Number) and pl_module._trainer is not None
-                        and cb._ours(pl_module._trainer, pl_module._current_fx_name)):
-                    value = torch.full((), float(value), dtype=default_dtype(),
-                                       device=pl_module.device)
-                return own_module_log(name, value, *args, **kwargs)
-
-            results = _train_results(trainer)
-            own_results_log = results.log
-
-            @torch.compiler.disable
-            def results_log(fx: str, name: str, value: Any, prog_bar: bool = False,
-                            logger: bool = True, on_step: bool = False, on_epoch: bool = True,
-                            **kw: Any) -> None:
-                if not on_step or not cb._ours(trainer, fx):
-                    return own_results_log(fx, name, value, prog_bar=prog_bar, logger=logger,
-                                           on_step=on_step, on_epoch=on_epoch, **kw)
-                key = f"{fx}.{name}"
-                if kw.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
-                    key += f".{results.dataloader_idx}"
-                entry = cb._keys.get(key)
-                if entry is None and key in results:
-                    # Logged by Lightning alone before (a Tuner's run): the user's flags are
-                    # on its meta; from now on they are ours to keep off.
-                    meta = results[key].meta
-                    entry = (None, meta.prog_bar, meta.logger)
-                    if entry[1:] == (prog_bar, logger):
-                        meta.prog_bar = meta.logger = False
-                if entry is not None and entry[1:] != (prog_bar, logger):
-                    # Lightning compares the flags we pass it, always off: compare the user's.
-                    raise Misconfiguration(
-                        f"You called `self.log({name}, ...)` twice in `{fx}` with different "
-                        "arguments. This is not allowed")
-                own_results_log(fx, name, value, prog_bar=False, logger=False, on_step=True,
-                                on_epoch=on_epoch, **kw)
-                cb._record(trainer, key, prog_bar, logger)
-
-            pl_module.__dict__["log"] = module_log
-            results.__dict__["log"] = results_log
-            self._module = pl_module
-            self._results = results
-
-        def _uninstall(self) -> None:
-            if self._module is not None:
-                self._module.__dict__.pop("log", None)
-                self._results.__dict__.pop("log", None)
-                self._module = self._results = None
-
-        def _record(self, trainer: Any, key: str, prog_bar: bool, logger: bool) -> None:
-            metric = _train_results(trainer).get(key)
-            if metric is None:                       # Lightning chose not to log it
+        @_eager
+        def results_log(fx: str, name: str, value: Any, prog_bar: bool = False,
+                        logger: bool = True, on_step: bool = False, on_epoch: bool = True,
+                        **kw: Any) -> None:
+            if not on_step or not capture.ours(trainer, fx):
+                own_results_log(fx, name, value, prog_bar=prog_bar, logger=logger,
+                                on_step=on_step, on_epoch=on_epoch, **kw)
                 return
-            if self._open is None:                   # the batch's first value
-                self._open = _Batch(_logger_step(trainer), trainer.current_epoch)
-            entry = self._keys.get(key)
-            if entry is None:
-                entry = self._keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
-                if prog_bar:
-                    self._pbar_keys.add(entry[0])
-            value = metric._forward_cache            # after the float cast and sync_dist
-            if isinstance(value, torch.Tensor):
-                self._pending[entry[0]] = value
-                if entry[2]:
-                    # What Lightning's logged_metrics holds: the device tensor, unread.
-                    trainer._logger_connector._logged_metrics[entry[0]] = value
+            key = f"{fx}.{name}"
+            if kw.get("add_dataloader_idx", True) and results.dataloader_idx is not None:
+                key += f".{results.dataloader_idx}"
+            capture.check_flags(key, results, fx, name, prog_bar, logger)
+            own_results_log(fx, name, value, prog_bar=False, logger=False, on_step=True,
+                            on_epoch=on_epoch, **kw)
+            capture.record(trainer, key, prog_bar, logger)
 
-        # ---- batches ----------------------------------------------------------------------
+        return results_log
 
-        def _step_end(self, trainer: Any) -> None:
-            """Where Lightning decides to log a training batch's step metrics (its
-            update_train_step_metrics, after every on_train_batch_end hook): the batch closes
-            here, logged to the loggers if and only if Lightning would log it."""
-            batch = self._open
-            if batch is None or self not in trainer.callbacks:
+    def check_flags(self, key: str, results: Any, fx: str, name: str, prog_bar: bool,
+                    logger: bool) -> None:
+        """Lightning compares the flags we pass it, always off: compare the user's."""
+        entry = self.keys.get(key)
+        flags = None if entry is None else entry[1:]
+        if flags is None and key in results:
+            # Logged by Lightning alone before (a Tuner's run): the user's flags are on its
+            # meta; from now on they are ours to keep off.
+            meta = results[key].meta
+            flags = (meta.prog_bar, meta.logger)
+            if flags == (prog_bar, logger):
+                meta.prog_bar = meta.logger = False
+        if flags is not None and flags != (prog_bar, logger):
+            raise self.package.misconfiguration(
+                f"You called `self.log({name}, ...)` twice in `{fx}` with different "
+                "arguments. This is not allowed")
+
+    def uninstall(self) -> None:
+        if self._module is not None:
+            self._module.__dict__.pop("log", None)
+            self._results.__dict__.pop("log", None)
+            self._module = self._results = None
+
+    def record(self, trainer: Any, key: str, prog_bar: bool, logger: bool) -> None:
+        metric = _train_results(trainer).get(key)
+        if metric is None:                       # Lightning chose not to log it
+            return
+        if self.open is None:                    # the batch's first value
+            self.open = _Batch(_logger_step(trainer), trainer.current_epoch)
+        entry = self.keys.get(key)
+        if entry is None:
+            entry = self.keys[key] = (metric.meta.forked_name(True), prog_bar, logger)
+            if prog_bar:
+                self.pbar_keys.add(entry[0])
+        value = metric._forward_cache            # after the float cast and sync_dist
+        if isinstance(value, torch.Tensor):
+            self.pending[entry[0]] = value
+            if entry[2]:
+                # What Lightning's logged_metrics holds: the device tensor, unread.
+                trainer._logger_connector._logged_metrics[entry[0]] = value
+
+    def logger_keys(self, trainer: Any) -> tuple[str, ...]:
+        """The keys Lightning's log_metrics would send now: every on-step logger key still
+        valid in this epoch (host bookkeeping only, no tensor is read)."""
+        results = _train_results(trainer)
+        return tuple(name for key, (name, _pbar, logger) in self.keys.items()
+                     if logger and _valid(results.get(key)))
+
+    def take(self) -> tuple[_Batch | None, dict[str, torch.Tensor]]:
+        """The open batch and its values, now closed."""
+        batch, pending = self.open, self.pending
+        self.open, self.pending = None, {}
+        return batch, pending
+
+    def set_flags(self, trainer: Any, on: bool) -> None:
+        """Lightning reads step values only for metas with prog_bar/logger set: those are
+        kept off during the epoch and set back to the user's choice for the epoch-end log,
+        so that epoch values are shown and logged by Lightning itself, once."""
+        results = _train_results(trainer)
+        for key, (_name, prog_bar, logger) in self.keys.items():
+            metric = results.get(key)
+            if metric is not None:
+                metric.meta.prog_bar = prog_bar and on
+                metric.meta.logger = logger and on
+
+
+class _Feed:
+    """Batches on their way: sent to the syncless Logger in order, and when their rows come
+    back (drained on the training thread), given to the progress bar and Lightning's loggers."""
+
+    def __init__(self) -> None:
+        self.sink = _Rows()
+        self.batches: collections.deque[_Batch | _Direct] = collections.deque()
+        self.current: dict[str, float] = {}
+
+    def clear(self) -> None:
+        self.batches.clear()
+        self.sink.rows.clear()
+        self.current.clear()
+
+    def send(self, log: Logger, batch: _Batch, pending: dict[str, torch.Tensor]) -> None:
+        """Hands the batch's values to the Logger."""
+        if pending:
+            # Rows are matched to batches by order; the step is Lightning's (equal steps
+            # under gradient accumulation are fine). Names syncless keeps for its own row
+            # fields go in under another; a batch wider than one kernel takes several rows.
+            items = [(_COLUMN.get(k, k), v) for k, v in pending.items()]
+            # Lightning's step can go back within a fit (a loop state loaded again); the
+            # loggers get batch.step, a Logger row never goes behind the one before it.
+            step = max(batch.step, log.last_step)
+            first = log.last_step < 0
+            for at in range(0, len(items), MAX_CELLS):
+                log.log(dict(items[at:at + MAX_CELLS]), step=step)
+                batch.rows += 1
+            if first:
+                log.flush(wait=False)          # the bar's first value: one copy, no wait
+        self.batches.append(batch)
+
+    def deliver(self, trainer: Any, pbar_keys: set[str], loggers: _Loggers) -> dict[str, float]:
+        """Every batch whose rows are back, in order: its values become current, and Lightning's
+        loggers get the batches Lightning logs. Returns the progress bar's new values."""
+        rows = self.sink.rows
+        pbar: dict[str, float] = {}
+        batches = self.batches
+        while batches:
+            batch = batches[0]
+            if batch.rows:
+                if len(rows) < batch.rows:
+                    break
+                for _ in range(batch.rows):
+                    values = rows.popleft().values
+                    if _NAME.keys() & values.keys():
+                        values = {_NAME.get(k, k): v for k, v in values.items()}
+                    self.current.update(values)
+                    for k, v in values.items():
+                        if k in pbar_keys:
+                            pbar[k] = v
+            batches.popleft()
+            if isinstance(batch, _Direct):
+                batch.send(*batch.args, **batch.kwargs)
+            elif batch.log_now and batch.keys:
+                self._emit(trainer, batch, loggers)
+        return pbar
+
+    def _emit(self, trainer: Any, batch: _Batch, loggers: _Loggers) -> None:
+        metrics = {k: self.current[k] for k in batch.keys if k in self.current}
+        if not metrics:
+            return
+        step = batch.step
+        step_metric = metrics.pop("step", None)
+        if step_metric is not None:
+            step = int(step_metric)
+        else:
+            metrics.setdefault("epoch", batch.epoch)
+        for lg in trainer.loggers:
+            loggers.send(lg, metrics, step)
+            lg.save()
+
+
+class _Loggers:
+    """Lightning's hooks the fit wraps: every configured logger's log_metrics (calls made by
+    others wait behind the step rows logged before them, see _Direct) and the connector's
+    update_train_step_metrics (where a batch closes). Each is put back as it was found."""
+
+    def __init__(self) -> None:
+        self._loggers: list[tuple[Any, _Send, bool]] = []   # (logger, its own, was patched)
+        self._connector: tuple[Any, bool, Callable[[], None]] | None = None
+
+    def watch(self, trainer: Any, step_end: Callable[[], None],
+              defer: Callable[[_Send, tuple[Any, ...], dict[str, Any]], bool]) -> None:
+        """defer(own, args, kwargs) queues a call and says so, or says it must go now. A call
+        reaches the logger as it was made (positional or keyword arguments, the same metrics
+        object when not waiting; a copy of it, taken at the call, when waiting)."""
+        for lg in trainer.loggers:
+            own = lg.log_metrics
+            self._loggers.append((lg, own, "log_metrics" in vars(lg)))
+            lg.log_metrics = _ordered(own, defer)
+        connector = trainer._logger_connector
+        own_update = connector.update_train_step_metrics
+
+        def update_train_step_metrics() -> None:
+            step_end()
+            own_update()          # logs nothing of ours: our keys' logger flags are off
+
+        self._connector = (connector, "update_train_step_metrics" in vars(connector),
+                           own_update)
+        connector.update_train_step_metrics = update_train_step_metrics
+
+    def send(self, lg: Any, metrics: dict[str, float], step: int | None) -> None:
+        """A step's metrics to a logger, by its own log_metrics while it is watched."""
+        for logger, own, _patched in self._loggers:
+            if logger is lg:
+                own(metrics=metrics, step=step)
                 return
-            connector = trainer._logger_connector
-            batch.log_now = (
-                not (trainer.fit_loop._should_accumulate()
-                     and trainer.lightning_module.automatic_optimization)
-                and bool(trainer.loggers)
-                and (connector.should_update_logs or bool(trainer.fast_dev_run)))
-            if batch.log_now:
-                # The keys Lightning's log_metrics would send now: every on-step logger key
-                # still valid in this epoch (host bookkeeping only, no tensor is read).
-                results = _train_results(trainer)
-                batch.keys = tuple(entry[0] for key, entry in self._keys.items()
-                                   if entry[2] and _valid(results.get(key)))
-            self._close_batch(trainer)
+        lg.log_metrics(metrics=metrics, step=step)
 
-        def _close_batch(self, trainer: Any) -> None:
-            """Hands the batch's values to the Logger; a batch Lightning did not reach the end
-            of (skipped by on_train_batch_start returning -1, cut by an exception) is not sent
-            to the loggers, as in Lightning."""
-            batch = self._open
-            if batch is None:
-                return
-            self._open = None
-            if self._pending:
-                # Rows are matched to batches by order; the step is Lightning's (equal steps
-                # under gradient accumulation are fine). Names syncless keeps for its own row
-                # fields go in under another; a batch wider than one kernel takes several rows.
-                items = [(_COLUMN.get(k, k), v) for k, v in self._pending.items()]
-                # Lightning's step can go back within a fit (a loop state loaded again); the
-                # loggers get batch.step, a Logger row never goes behind the one before it.
-                step = max(batch.step, self.syncless.last_step)
-                first = self.syncless.last_step < 0
-                for at in range(0, len(items), MAX_CELLS):
-                    self.syncless.log(dict(items[at:at + MAX_CELLS]), step=step)
-                    batch.rows += 1
-                self._pending = {}
-                if first:
-                    self.syncless.flush(wait=False)   # the bar's first value: one copy, no wait
-            self._batches.append(batch)
-
-        # ---- delivery, on the training thread -----------------------------------------------
-
-        def _drain(self, trainer: Any, wait: bool = False) -> None:
-            if self.syncless is None or self.syncless.closed:
-                return
-            if wait:
-                self._close_batch(trainer)
-                self.syncless.flush()
-            rows = self._rows.rows
-            pbar: dict[str, float] = {}
-            batches = self._batches
-            while batches:
-                batch = batches[0]
-                if batch.rows:
-                    if len(rows) < batch.rows:
-                        break
-                    for _ in range(batch.rows):
-                        values = rows.popleft().values
-                        if _NAME.keys() & values.keys():
-                            values = {_NAME.get(k, k): v for k, v in values.items()}
-                        self._current.update(values)
-                        for k, v in values.items():
-                            if k in self._pbar_keys:
-                                pbar[k] = v
-                batches.popleft()
-                if isinstance(batch, _Direct):
-                    batch.send(*batch.args, **batch.kwargs)
-                elif batch.log_now and batch.keys:
-                    self._emit(trainer, batch)
-            if pbar:
-                # The connector's dict, not the trainer.progress_bar_metrics property: the property
-                # computes epoch values, an all-reduce under sync_dist that every rank must join.
-                trainer._logger_connector._progress_bar_metrics.update(pbar)
-
-        def _emit(self, trainer: Any, batch: _Batch) -> None:
-            metrics = {k: self._current[k] for k in batch.keys if k in self._current}
-            if not metrics:
-                return
-            step = batch.step
-            step_metric = metrics.pop("step", None)
-            if step_metric is not None:
-                step = int(step_metric)
+    def unwatch(self) -> None:
+        for lg, own, patched in self._loggers:
+            if patched:
+                lg.log_metrics = own
             else:
-                metrics.setdefault("epoch", batch.epoch)
-            for lg in trainer.loggers:
-                self._send(lg, metrics, step)
-                lg.save()
+                vars(lg).pop("log_metrics", None)
+        self._loggers = []
+        if self._connector is not None:
+            connector, patched, own_update = self._connector
+            if patched:
+                connector.update_train_step_metrics = own_update
+            else:
+                vars(connector).pop("update_train_step_metrics", None)
+            self._connector = None
 
-        def _send(self, lg: Any, metrics: dict, step: int | None) -> None:
-            for logger, own, _patched in self._loggers:
-                if logger is lg:
-                    return own(metrics=metrics, step=step)
-            lg.log_metrics(metrics=metrics, step=step)
 
-        def _watch_loggers(self, trainer: Any) -> None:
-            """Every configured logger's log_metrics, while fit runs: calls made by others wait
-            behind the step rows logged before them (see _Direct), and reach the logger as they
-            were made (positional or keyword arguments, the same metrics object when not
-            waiting; a copy of it, taken at the call, when waiting)."""
-            cb = self
-            for lg in trainer.loggers:
-                own = lg.log_metrics
-                self._loggers.append((lg, own, "log_metrics" in vars(lg)))
-                lg.log_metrics = self._ordered(trainer, own)
+def _ordered(own: _Send, defer: Callable[[_Send, tuple[Any, ...], dict[str, Any]], bool]) -> _Send:
+    def log_metrics(*args: Any, **kwargs: Any) -> Any:
+        if defer(own, args, kwargs):
+            return None
+        return own(*args, **kwargs)
 
-            connector = trainer._logger_connector
-            own_update = connector.update_train_step_metrics
+    return log_metrics
 
-            def update_train_step_metrics() -> None:
-                cb._step_end(trainer)
-                own_update()          # logs nothing of ours: our keys' logger flags are off
 
-            self._connector = (connector, "update_train_step_metrics" in vars(connector),
-                               own_update)
-            connector.update_train_step_metrics = update_train_step_metrics
+class _SynclessLogging:
+    """Route on-step `self.log` values through a syncless Logger (see the module docstring).
 
-        def _ordered(self, trainer: Any, own: Any) -> Any:
-            cb = self
+    every: batches per device-to-host copy (how late the progress bar and loggers are;
+        default 16, a positive int).
+    max_delay: seconds after which a batch's values are copied back anyway, when `every`
+        batches take longer (the Logger's max_delay; None: only every `every` batches).
+        The first batch of each fit is copied back at once, so the progress bar shows a
+        value from the second batch (on a GPU: once the GPU finished the first batch).
+    sinks: extra syncless sinks: every batch's row ({name: float}, Lightning's key names) at
+        Lightning's step, from the delivery thread (on a GPU; without one, from the training
+        thread as each window is handed over: no thread is needed to wait for copies there).
+        A metric named `step` or `time` (the rows' own fields) comes as `lightning/step`,
+        `lightning/time`; a batch that logs more metrics than one gather kernel holds (248)
+        comes as several rows at its step. The sinks are flushed at the end of every fit and
+        stay open for the next one (one callback can serve several fits): close them when you
+        are done.
+    """
+    _package: ClassVar[_Package]         # set on each package's class (see _callback_class)
 
-            def log_metrics(*args: Any, **kwargs: Any) -> Any:
-                if cb._batches and not cb.syncless.closed:
-                    args, kwargs = _copy_metrics(args, kwargs)
-                    cb._batches.append(_Direct(own, args, kwargs))
-                    cb._drain(trainer)
-                    return None
-                return own(*args, **kwargs)
+    def __init__(self, every: int = LIGHTNING_EVERY, sinks: Iterable[Any] | Any = (),
+                 max_delay: float | None = 0.5):
+        self._configure(every, sinks, max_delay)
 
-            return log_metrics
+    def _configure(self, every: int, sinks: Iterable[Any] | Any,
+                   max_delay: float | None) -> None:
+        self.every = check_every(every, "SynclessLogging: every")
+        self.max_delay = check_max_delay(max_delay, "SynclessLogging: max_delay")
+        self._user_sinks = check_sinks(sinks)    # the Logger's own checks, at once
+        self.syncless: Logger | None = None
+        self._capture = _Capture(self._package, lambda trainer, fx: _ours(self, trainer, fx))
+        self._feed = _Feed()
+        self._hooks = _Loggers()
+        self._trainer: weakref.ref[Any] | None = None   # the trainer the keys belong to
 
-        def _unwatch_loggers(self) -> None:
-            for lg, own, patched in self._loggers:
-                if patched:
-                    lg.log_metrics = own
-                else:
-                    vars(lg).pop("log_metrics", None)
-            self._loggers = []
-            if self._connector is not None:
-                connector, patched, own = self._connector
-                if patched:
-                    connector.update_train_step_metrics = own
-                else:
-                    vars(connector).pop("update_train_step_metrics", None)
-                self._connector = None
+    def __getstate__(self) -> dict[str, Any]:
+        # What a pickle or deepcopy carries (ddp_spawn pickles the trainer with its
+        # callbacks): the settings; a fit's Logger, thread and hooks are its own.
+        return {"every": self.every, "sinks": self._user_sinks, "max_delay": self.max_delay}
 
-        def _set_flags(self, trainer: Any, on: bool) -> None:
-            """Lightning reads step values only for metas with prog_bar/logger set: those are
-            kept off during the epoch and set back to the user's choice for the epoch-end log,
-            so that epoch values are shown and logged by Lightning itself, once."""
-            results = _train_results(trainer)
-            for key, (_name, prog_bar, logger) in self._keys.items():
-                metric = results.get(key)
-                if metric is not None:
-                    metric.meta.prog_bar = prog_bar and on
-                    metric.meta.logger = logger and on
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._configure(state["every"], state["sinks"], state.get("max_delay", 0.5))
 
-        # ---- Lightning hooks ----------------------------------------------------------------
+    def _step_end(self, trainer: Any) -> None:
+        """Where Lightning decides to log a training batch's step metrics (its
+        update_train_step_metrics, after every on_train_batch_end hook): the batch closes
+        here, logged to the loggers if and only if Lightning would log it."""
+        batch = self._capture.open
+        if batch is None or self not in trainer.callbacks:
+            return
+        batch.log_now = _logs_now(trainer)
+        if batch.log_now:
+            batch.keys = self._capture.logger_keys(trainer)
+        self._close_batch()
 
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if stage != "fit":
-                return
-            self._finish()                       # a fit that ended without teardown
-            twins = [cb for cb in trainer.callbacks
-                     if isinstance(cb, SynclessLogging) and cb is not self]
-            if twins:
-                raise ValueError(
-                    f"SynclessLogging: the Trainer has {len(twins) + 1} of them in its callbacks; "
-                    "keep one (each would take every value, and the loggers would get them twice)")
-            # The rows go to the hooks of this thread through a deque: without a GPU the Logger
-            # hands them over itself (delivery="caller": host rows are out at the hand-over, so
-            # the first batch's values are on the bar by the second), with one a thread waits
-            # for the copies.
-            on_gpu = trainer.strategy.root_device.type == "cuda"
-            self.syncless = Logger(every=self.every, sinks_on="all", max_delay=self.max_delay,
-                                   delivery="thread" if on_gpu else "caller",
-                                   sinks=[self._rows, *map(_KeptOpen, self._user_sinks)])
-            if self._trainer is None or self._trainer() is not trainer:
-                # Lightning keeps a trainer's results (and our flags on their metas) from one
-                # fit to the next: the keys are forgotten only for another trainer.
-                self._trainer = weakref.ref(trainer)
-                self._keys.clear()
-                self._pbar_keys.clear()
-            self._pending = {}
-            self._open = None
-            self._batches.clear()
-            self._rows.rows.clear()
-            self._current.clear()
-            self._install(trainer, pl_module)
-            self._watch_loggers(trainer)
+    def _close_batch(self) -> None:
+        """To the Logger. (A batch cut short, by on_train_batch_start returning -1 or by an
+        exception, never reached _step_end: the loggers do not get it, as in Lightning.)"""
+        batch, pending = self._capture.take()
+        if batch is not None and self.syncless is not None:
+            self._feed.send(self.syncless, batch, pending)
 
-        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-            self._set_flags(trainer, on=False)
+    def _defer(self, trainer: Any, own: _Send, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> bool:
+        """A logger's log_metrics call waits behind the step rows on their way, if any."""
+        if not self._feed.batches or self.syncless is None or self.syncless.closed:
+            return False
+        args, kwargs = _copy_metrics(args, kwargs)
+        self._feed.batches.append(_Direct(own, args, kwargs))
+        self._drain(trainer)
+        return True
 
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                                 batch_idx: int) -> None:
-            self._drain(trainer)
+    def _drain(self, trainer: Any, wait: bool = False) -> None:
+        """Delivered rows to the progress bar and the loggers, on the training thread."""
+        if self.syncless is None or self.syncless.closed:
+            return
+        if wait:
+            self._close_batch()
+            self.syncless.flush()
+        pbar = self._feed.deliver(trainer, self._capture.pbar_keys, self._hooks)
+        if pbar:
+            # The connector's dict, not the trainer.progress_bar_metrics property: the property
+            # computes epoch values, an all-reduce under sync_dist that every rank must join.
+            trainer._logger_connector._progress_bar_metrics.update(pbar)
 
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
-            self._drain(trainer)
+    # ---- Lightning hooks ----------------------------------------------------------------
 
-        def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-            if trainer.training or trainer.state.fn == "fit":
-                self._drain(trainer, wait=True)
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._finish()                       # a fit that ended without teardown
+        _check_alone(self, trainer)
+        # The rows go to the hooks of this thread through a deque: without a GPU the Logger
+        # hands them over itself (delivery="caller": host rows are out at the hand-over, so
+        # the first batch's values are on the bar by the second), with one a thread waits
+        # for the copies.
+        on_gpu = trainer.strategy.root_device.type == "cuda"
+        self.syncless = Logger(every=self.every, sinks_on="all", max_delay=self.max_delay,
+                               delivery="thread" if on_gpu else "caller",
+                               sinks=[self._feed.sink, *map(_KeptOpen, self._user_sinks)])
+        if self._trainer is None or self._trainer() is not trainer:
+            # Lightning keeps a trainer's results (and our flags on their metas) from one
+            # fit to the next: the keys are forgotten only for another trainer.
+            self._trainer = weakref.ref(trainer)
+            self._capture.keys.clear()
+            self._capture.pbar_keys.clear()
+        self._capture.take()
+        self._feed.clear()
+        self._capture.install(trainer, pl_module)
+        self._hooks.watch(trainer, lambda: self._step_end(trainer),
+                          lambda own, args, kwargs: self._defer(trainer, own, args, kwargs))
 
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._capture.set_flags(trainer, on=False)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self._drain(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._drain(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.training or trainer.state.fn == "fit":
             self._drain(trainer, wait=True)
-            self._set_flags(trainer, on=True)
 
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._drain(trainer, wait=True)
+        self._capture.set_flags(trainer, on=True)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._drain(trainer, wait=True)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        try:
             self._drain(trainer, wait=True)
+        finally:
+            self._finish()
 
-        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-            try:
-                self._drain(trainer, wait=True)
-            finally:
-                self._finish()
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._drain(trainer, wait=True)
+            self._finish()
 
-        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if stage == "fit":
-                self._drain(trainer, wait=True)
-                self._finish()
-
-        def _finish(self) -> None:
-            self._uninstall()
-            self._unwatch_loggers()
-            if self.syncless is not None:
-                self.syncless.close()
-
-    SynclessLogging.__module__ = __name__
-    SynclessLogging.__qualname__ = "SynclessLogging"
-    return SynclessLogging
+    def _finish(self) -> None:
+        self._capture.uninstall()
+        self._hooks.unwatch()
+        if self.syncless is not None:
+            self.syncless.close()
 
 
-def _copy_metrics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _ours(cb: _SynclessLogging, trainer: Any, fx: str | None) -> bool:
+    """A training batch hook of a fit cb runs in. (The Tuner's trial runs, inside our fit or
+    not, swap the callbacks and loggers out: they log as they would without us.)"""
+    return (fx in _STEP_HOOKS and trainer.training and cb.syncless is not None
+            and cb in trainer.callbacks)
+
+
+def _logs_now(trainer: Any) -> bool:
+    """Lightning logs this training batch's step metrics (its update_train_step_metrics)."""
+    return (not (trainer.fit_loop._should_accumulate()
+                 and trainer.lightning_module.automatic_optimization)
+            and bool(trainer.loggers)
+            and bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run))
+
+
+def _check_alone(cb: _SynclessLogging, trainer: Any) -> None:
+    twins = [c for c in trainer.callbacks if isinstance(c, _SynclessLogging) and c is not cb]
+    if twins:
+        raise ValueError(
+            f"SynclessLogging: the Trainer has {len(twins) + 1} of them in its callbacks; "
+            "keep one (each would take every value, and the loggers would get them twice)")
+
+
+def _copy_metrics(args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A log_metrics call kept for later, with its metrics copied as they are now (the caller
     may reuse the dict), in the same argument it came in."""
     if args:
@@ -577,22 +654,30 @@ def _logger_step(trainer: Any) -> int:
     """The step Lightning passes to log_metrics for a training batch."""
     loop = getattr(trainer.fit_loop, "epoch_loop", None)
     step = getattr(loop, "_batches_that_stepped", None)
-    return trainer.global_step if step is None else step
+    return int(trainer.global_step if step is None else step)
 
 
-def _callback_class(pkg_name: str) -> type:
+_classes: dict[str, type[_SynclessLogging]] = {}
+
+
+def _callback_class(pkg_name: str) -> type[_SynclessLogging]:
+    """The callback on one Lightning package's Callback base: the class above, with the base
+    (Lightning's Trainer takes only its own Callback subclasses) and the package's facts."""
     cls = _classes.get(pkg_name)
     if cls is None:
         try:
-            cls = _classes[pkg_name] = _build(pkg_name)
+            package = _Package(pkg_name)
         except ImportError as exc:
             raise ImportError(
                 f"syncless.lightning needs {pkg_name}: pip install lightning") from exc
+        cls = _classes[pkg_name] = type(
+            "SynclessLogging", (_SynclessLogging, package.callback),
+            {"__module__": __name__, "__doc__": _SynclessLogging.__doc__, "_package": package})
     return cls
 
 
 def __getattr__(name: str) -> Any:
-    # Built on first use so that importing this module imports no Lightning package.
+    # Made on first use so that importing this module imports no Lightning package.
     if name == "SynclessLogging":
         try:
             importlib.import_module("lightning.pytorch")

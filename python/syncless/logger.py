@@ -39,6 +39,7 @@ from ._delivery import Delivery
 from ._handover import CallerHandover, Handover, ThreadHandover
 from ._late import Late
 from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
+from ._checks import LOGGER_EVERY, check_every, check_max_delay
 from .rows import RESERVED, Row, check_sinks
 
 __all__ = ["Logger", "Row", "LoggerStats"]
@@ -92,9 +93,8 @@ class _Generation:
 
 def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sinks_on: Any,
                    delivery: Any) -> None:
-    for name, v in (("every", every), ("windows", windows)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    check_every(every)
+    check_every(windows, "windows")
     check_max_delay(max_delay)
     if capacity is not None:
         if isinstance(capacity, bool) or not isinstance(capacity, int):
@@ -153,14 +153,6 @@ def _cuda_index(device: str | int | torch.device | None) -> int | None:
     if dev.type != "cpu":
         raise ValueError(f"device must be cpu or cuda, got {dev}")
     return None
-
-
-def check_max_delay(max_delay: Any) -> None:
-    if max_delay is not None and (isinstance(max_delay, bool)
-                                  or not isinstance(max_delay, (int, float))
-                                  or not max_delay >= 0):
-        raise ValueError(f"max_delay must be None or a number of seconds >= 0, got "
-                         f"{max_delay!r}")
 
 
 class _Readings:
@@ -303,7 +295,7 @@ class Logger(_Readings):
     once, and close() interrupted (a second Ctrl-C) is finished by the next close() or at exit.
     """
 
-    def __init__(self, every: int = 100, sinks: Iterable[Any] | Any = (), *,
+    def __init__(self, every: int = LOGGER_EVERY, sinks: Iterable[Any] | Any = (), *,
                  device: str | int | torch.device | None = None, capacity: int | None = None,
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,

@@ -28,7 +28,10 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, TextIO
+
+if TYPE_CHECKING:
+    from .logger import Row
 
 __all__ = ["Callback", "JSONL", "CSV", "Print", "TensorBoard", "WandB"]
 
@@ -88,7 +91,7 @@ class _File:
         except OSError:
             return False
 
-    def write(self, data: bytes, rows: list) -> None:
+    def write(self, data: bytes, rows: list[Row]) -> None:
         """Write `data` (the bytes of `rows`, named in the error if it fails) or nothing."""
         if self.fd < 0:
             raise ValueError(f"{self.path}: the sink is closed")
@@ -116,7 +119,7 @@ class _File:
             os.close(fd)
 
 
-def _steps(rows: list) -> str:
+def _steps(rows: list[Row]) -> str:
     if not rows:
         return "the header was"
     if len(rows) == 1:
@@ -145,7 +148,7 @@ class _FileSink:
 
     kind = "file"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self._file: _File | None = None
         self._dir: tuple[int, int] | None = None      # the directory of `path` when opened
@@ -200,7 +203,7 @@ class _FileSink:
             return f"{self.path} was deleted during the run"
         return f"{lost} was deleted during the run"
 
-    def _reopened(self, rows: list) -> str | None:
+    def _reopened(self, rows: list[Row]) -> str | None:
         """If the open file was deleted (its directory too, maybe), forget it, so the next write
         starts the file afresh; then say what happened for the error raised after that write."""
         if self._file is None or not self._file.unlinked():
@@ -239,12 +242,12 @@ class _FileSink:
 class Callback:
     """Call fn(step, time, values) for every delivered row."""
 
-    def __init__(self, fn: Callable[[int, float, dict], Any]):
+    def __init__(self, fn: Callable[[int, float, dict[str, float]], Any]):
         if not callable(fn):
             raise TypeError(f"Callback needs a callable, got {type(fn).__name__}")
         self.fn = fn
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         for row in rows:
             self.fn(row.step, row.time, row.values)
 
@@ -266,14 +269,14 @@ class JSONL(_FileSink):
 
     kind = "JSONL"
 
-    def __init__(self, path: str | os.PathLike, mode: str = "a"):
+    def __init__(self, path: str | os.PathLike[str], mode: str = "a"):
         if mode not in ("a", "w"):
             raise ValueError(f"JSONL mode must be 'a' or 'w', got {mode!r}")
         self.mode = mode
         self._fresh = mode == "w"               # truncated once, at the first open
         super().__init__(path)
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         if not rows:
             return
         text = "".join([json.dumps({"step": r.step, "time": r.time, **r.values}) + "\n"
@@ -324,14 +327,14 @@ class CSV(_FileSink):
 
     kind = "CSV"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         super().__init__(path)
         self.columns: list[str] = []
         self._known: set[str] = set()
         self._parts: list[tuple[str, int, int]] = []   # (path, columns, header bytes)
         self._header: int | None = None                # columns in the current header on disk
         self._folder: str | None = None                # the folder of parts, once there is one
-        self._merged: list = []                        # parts merged into path, to remove
+        self._merged: list[tuple[str, int, int]] = []  # parts merged into path, to remove
 
     @property
     def files(self) -> list[str]:
@@ -339,38 +342,18 @@ class CSV(_FileSink):
         return [p for p, _, _ in self._parts]
 
     @staticmethod
-    def parts(path: str | os.PathLike) -> list[str]:
+    def parts(path: str | os.PathLike[str]) -> list[str]:
         """`path` (if it exists), then the parts that CSV sinks writing it left beside it (a run
         going on, or one that crashed before close()), oldest folder first."""
-        path = os.fspath(path)
-        parent, name = os.path.split(path)
-        found = [path] if os.path.lexists(path) else []
-        prefix = f".{name}.syncless-"
-        try:
-            folders = sorted(f for f in os.listdir(parent or ".") if f.startswith(prefix))
-        except OSError:
-            return found
-        for folder in folders:
-            folder = os.path.join(parent, folder)
-            with contextlib.suppress(OSError):
-                numbered = [f for f in os.listdir(folder) if f[:-4].isdigit() and
-                            f.endswith(".csv")]
-                found += [os.path.join(folder, f) for f in sorted(numbered,
-                                                                  key=lambda f: int(f[:-4]))]
-        return found
+        return _csv_parts(os.fspath(path))
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         if not rows:
             return
         lost = self._reopened(rows)
         if lost:                             # the table starts again, with every column
             self._parts, self._header, self._folder = [], None, None
-        new: dict[str, None] = {}                       # ordered, O(1) membership
-        seen = self._known
-        for r in rows:
-            for name in r.values:
-                if name not in seen:
-                    new[name] = None
+        new = _new_names(rows, self._known)
         columns = self.columns + list(new) if new else self.columns
         if new and self._header is not None:
             self._next_part()
@@ -381,8 +364,7 @@ class CSV(_FileSink):
         if header:
             w.writerow(["step", "time"] + columns)
             header_bytes = len(_encode(out.getvalue()))
-        w.writerows([r.step, repr(r.time)] + [r.values.get(c, "") for c in columns]
-                    for r in rows)
+        w.writerows([r.step, repr(r.time)] + [r.values.get(c, "") for c in columns] for r in rows)
         file.write(_encode(out.getvalue()), rows)
         if header:
             self._header = len(columns)
@@ -390,19 +372,17 @@ class CSV(_FileSink):
                 self._parts.append((file.path, len(columns), header_bytes))
         if new:
             self.columns = columns
-            seen.update(new)
+            self._known.update(new)
         if lost:
             raise OSError(errno.ENOENT, lost)
 
     def _next_part(self) -> None:
+        assert self._file is not None            # a header was written: the file is open
         if not self._file.regular:
             self._header = None              # a stream: the wider header is the next line
             return
         if self._folder is None:
-            parent, name = os.path.split(self.path)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            self._folder = os.path.abspath(tempfile.mkdtemp(   # a later chdir changes nothing
-                prefix=f".{name}.syncless-{stamp}-", dir=parent or "."))
+            self._folder = _parts_folder(self.path)
         part = _File(os.path.join(self._folder, f"{len(self._parts)}.csv"), truncate=True,
                      exclusive=True)
         self._file.close()
@@ -417,10 +397,9 @@ class CSV(_FileSink):
         try:
             if self._inherited:
                 return
-            if self._file is None:
-                self._open(truncate=True)
-            if self._header is None and not self._parts and self._file.regular:
-                self._file.write(b"step,time\r\n", [])    # an empty table, still a CSV
+            file = self._file or self._open(truncate=True)
+            if self._header is None and not self._parts and file.regular:
+                file.write(b"step,time\r\n", [])          # an empty table, still a CSV
             if len(self._parts) < 2:                          # else the merge says it
                 self._check_not_deleted()
         finally:
@@ -433,37 +412,13 @@ class CSV(_FileSink):
         the parts and their folder. On failure the parts stay and the OSError says where."""
         missing = [p for p, _, _ in self._parts if not os.path.lexists(p)]
         if missing:
-            why = self._why_gone(missing[0])
-            kept = [p for p, _, _ in self._parts if p not in missing]
-            lost = "every row went with it" if why.startswith("its directory") else \
-                f"the rows written to {', '.join(missing)} went with it"
-            raise OSError(errno.ENOENT, f"CSV {self.path}: {why}, so its parts cannot be "
-                          f"merged; {lost}" + (f"; the others are in {', '.join(kept)} (each "
-                                               "a complete CSV)" if kept else ""))
+            raise _unmergeable(self.path, self._why_gone(missing[0]), missing,
+                               [p for p, _, _ in self._parts if p not in missing])
         target = os.path.realpath(self.path)
         folder, name = os.path.split(target)
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".syncless-merge", dir=folder)
-        width = len(self.columns)
         try:
-            with os.fdopen(fd, "wb") as out:
-                head = io.StringIO()
-                csv.writer(head).writerow(["step", "time"] + self.columns)
-                out.write(_encode(head.getvalue()))
-                for path, columns, header_bytes in self._parts:
-                    pad = b"," * (width - columns) + b"\r\n"
-                    with open(path, "rb") as part:
-                        part.seek(header_bytes)
-                        rest = b""
-                        while True:
-                            chunk = part.read(1 << 20)
-                            if not chunk:
-                                break
-                            chunk = rest + chunk
-                            cut = chunk.rfind(b"\r\n") + 2      # data rows hold no newline
-                            out.write(chunk[:cut].replace(b"\r\n", pad))
-                            rest = chunk[cut:]
-                        if rest:                                   # never: rows end in \r\n
-                            out.write(rest + pad)
+            _write_merged(fd, self.columns, self._parts)
             shutil.copymode(target, tmp)
             # The parts are forgotten as the merged file takes path's place, whatever lands
             # between (a Ctrl-C): a close() called again then merges once, never twice.
@@ -496,6 +451,78 @@ class CSV(_FileSink):
                 os.rmdir(self._folder)
 
 
+def _new_names(rows: list[Row], known: set[str]) -> dict[str, None]:
+    """Names of `rows` not in `known`, in order of first appearance (a dict: O(1) membership)."""
+    new: dict[str, None] = {}
+    for r in rows:
+        for name in r.values:
+            if name not in known:
+                new[name] = None
+    return new
+
+
+def _parts_folder(path: str) -> str:
+    """A new hidden folder beside `path` for its parts: `.m.csv.syncless-<time>-<random>`."""
+    parent, name = os.path.split(path)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    return os.path.abspath(tempfile.mkdtemp(             # a later chdir changes nothing
+        prefix=f".{name}.syncless-{stamp}-", dir=parent or "."))
+
+
+def _unmergeable(path: str, why: str, missing: list[str], kept: list[str]) -> OSError:
+    lost = "every row went with it" if why.startswith("its directory") else \
+        f"the rows written to {', '.join(missing)} went with it"
+    return OSError(errno.ENOENT, f"CSV {path}: {why}, so its parts cannot be merged; {lost}"
+                   + (f"; the others are in {', '.join(kept)} (each a complete CSV)"
+                      if kept else ""))
+
+
+def _write_merged(fd: int, columns: list[str], parts: list[tuple[str, int, int]]) -> None:
+    """The merged table into fd (closed after): the final header, then every part's rows, those
+    of narrower parts padded with empty cells."""
+    with os.fdopen(fd, "wb") as out:
+        head = io.StringIO()
+        csv.writer(head).writerow(["step", "time"] + columns)
+        out.write(_encode(head.getvalue()))
+        for path, width, header_bytes in parts:
+            _copy_rows(path, header_bytes, out, pad=b"," * (len(columns) - width) + b"\r\n")
+
+
+def _csv_parts(path: str) -> list[str]:
+    """CSV.parts: path, then the numbered parts in the folders beside it, oldest first."""
+    parent, name = os.path.split(path)
+    found = [path] if os.path.lexists(path) else []
+    prefix = f".{name}.syncless-"
+    try:
+        folders = sorted(f for f in os.listdir(parent or ".") if f.startswith(prefix))
+    except OSError:
+        return found
+    for folder in folders:
+        folder = os.path.join(parent, folder)
+        with contextlib.suppress(OSError):
+            numbered = [f for f in os.listdir(folder) if f[:-4].isdigit() and f.endswith(".csv")]
+            found += [os.path.join(folder, f) for f in sorted(numbered, key=lambda f: int(f[:-4]))]
+    return found
+
+
+def _copy_rows(path: str, header_bytes: int, out: BinaryIO, pad: bytes) -> None:
+    """The rows of a CSV part (after its header) into `out`, each row's line end replaced by
+    `pad` (the empty cells of the columns the part lacks, then the line end)."""
+    with open(path, "rb") as part:
+        part.seek(header_bytes)
+        rest = b""
+        while True:
+            chunk = part.read(1 << 20)
+            if not chunk:
+                break
+            chunk = rest + chunk
+            cut = chunk.rfind(b"\r\n") + 2      # data rows hold no newline
+            out.write(chunk[:cut].replace(b"\r\n", pad))
+            rest = chunk[cut:]
+        if rest:                                   # never: rows end in \r\n
+            out.write(rest + pad)
+
+
 class Print:
     """One compact line per window: the last value and the window mean of each metric."""
 
@@ -503,7 +530,7 @@ class Print:
         self.file = file
         self.digits = digits
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         last: dict[str, float] = {}
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -553,7 +580,9 @@ class TensorBoard:
     host time of the log() call). Pass a log directory (extra keyword arguments go to torch's
     SummaryWriter) or an existing writer: torch's, tensorboardX's or syncless.tensorboard's."""
 
-    def __init__(self, log_dir: str | os.PathLike | Any = None, **writer_kwargs: Any):
+    def __init__(self, log_dir: str | os.PathLike[str] | Any = None, **writer_kwargs: Any):
+        self.writer: Any
+        self._add: Callable[[str, float, int, float], Any] | None
         if log_dir is not None and hasattr(log_dir, "add_scalar"):
             self.writer, self._owned = log_dir, False
         elif _spawning():
@@ -570,7 +599,7 @@ class TensorBoard:
         # A syncless writer would defer these floats a second time; write them directly.
         self._add = getattr(self.writer, "_write_scalar", self.writer.add_scalar)
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         add = self._add
         if add is None:
             raise _inherited(self)
@@ -614,17 +643,17 @@ class WandB:
         self._run = run
 
     @property
-    def run(self):
+    def run(self) -> Any:
         run = self._run if self._run is not None else self._wandb.run
         if run is None:
             raise RuntimeError("syncless.sinks.WandB: no W&B run; call wandb.init() first or "
                                "pass run=")
         return run
 
-    def write(self, rows) -> None:
+    def write(self, rows: list[Row]) -> None:
         run = self.run
         failed = _Refused("WandB")
-        groups: list[tuple[int, dict]] = []
+        groups: list[tuple[int, dict[str, float]]] = []
         for r in rows:
             if not groups or groups[-1][0] != r.step:
                 groups.append((r.step, {}))

@@ -32,6 +32,7 @@ except ImportError as exc:                       # torch raises this when tensor
     raise ImportError("syncless.tensorboard needs tensorboard: "
                       "pip install syncless[tensorboard]") from exc
 
+from ._checks import ADAPTER_EVERY
 from ._deferred import Deferred, Failures
 
 __all__ = ["SummaryWriter", "ScalarShapeError"]
@@ -53,7 +54,7 @@ class ScalarShapeError(AssertionError, ValueError):
     this is both, so either `except` catches it."""
 
 
-_good_tags: set = set()                  # tags the protobuf field took before
+_good_tags: set[str] = set()                  # tags the protobuf field took before
 
 
 def _check_tag(tag: Any) -> None:
@@ -73,7 +74,7 @@ def _check_tag(tag: Any) -> None:
         _good_tags.add(tag)
 
 
-def _shape_error(tag: Any, shape: tuple) -> ScalarShapeError:
+def _shape_error(tag: Any, shape: tuple[int, ...]) -> ScalarShapeError:
     return ScalarShapeError(f"metric {tag!r} must hold one element, got shape {shape}")
 
 
@@ -126,7 +127,7 @@ def _walltime(walltime: Any) -> Any:
     return Event(wall_time=walltime).wall_time
 
 
-def _describe(record: tuple) -> tuple[str, str]:
+def _describe(record: tuple[Any, ...]) -> tuple[str, str]:
     return record[1], f"{'add_scalar' if record[0] == _ONE else 'add_scalars'}({record[1]!r})"
 
 
@@ -134,7 +135,8 @@ class SummaryWriter(_TorchWriter):
     """`torch.utils.tensorboard.SummaryWriter` whose add_scalar and add_scalars take CUDA tensors
     without a sync. Same constructor, plus:
 
-    every: rows per device-to-host copy (one copy per `every` scalar calls).
+    every: rows per device-to-host copy (one copy per `every` scalar calls; default 50, a
+        positive int).
     max_delay: seconds after which the next scalar call hands over the rows anyway, so a slow
         loop still shows up in TensorBoard (None: only every `every` calls, flush and close).
 
@@ -151,7 +153,7 @@ class SummaryWriter(_TorchWriter):
 
     def __init__(self, log_dir: Any = None, comment: str = "", purge_step: int | None = None,
                  max_queue: int = 10, flush_secs: int = 120, filename_suffix: str = "", *,
-                 every: int = 50, max_delay: float | None = 2.0):
+                 every: int = ADAPTER_EVERY, max_delay: float | None = 2.0):
         self._deferred = Deferred(self._replay, _describe,
                                   Failures("syncless.tensorboard", "writer.errors"), every,
                                   max_delay, step_name="global_step", step_of=_global_step,
@@ -183,7 +185,7 @@ class SummaryWriter(_TorchWriter):
         self._deferred.put((_ONE, tag, new_style, double_precision), (scalar_value,), (tag,),
                            global_step, _walltime(walltime))
 
-    def add_scalars(self, main_tag: str, tag_scalar_dict: dict, global_step: Any = None,
+    def add_scalars(self, main_tag: str, tag_scalar_dict: dict[str, Any], global_step: Any = None,
                     walltime: float | None = None) -> None:
         items = tag_scalar_dict.items()                 # torch's AttributeError for a non-dict
         if not items:
@@ -207,7 +209,8 @@ class SummaryWriter(_TorchWriter):
 
     # ---- delivery (the logger's thread) ------------------------------------------------------
 
-    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+    def _replay(self, record: tuple[Any, ...], values: list[float], step: Any,
+                wall: float) -> None:
         if record[0] == _ONE:
             _, tag, new_style, double_precision = record
             value = values[0]

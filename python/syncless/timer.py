@@ -32,22 +32,25 @@ import os
 import threading
 from array import array
 from time import perf_counter
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
 from . import _compile
-from ._torch import _C
+from ._torch import _C, cuda_initialized
 from .logger import Logger
 
 __all__ = ["timer", "timers", "bench", "Timer", "Timing", "Stats", "Report"]
 
 _log = logging.getLogger("syncless")
 
-_CPU = -1
-_CUDA_CURRENT = -2                  # device="cuda": whichever device is current at each use
-_AUTO = -3                          # no device given: CUDA's current device once it is up
-_AFTER, _BEFORE = 1, 2              # TimerBase._hooks: call Timer._after / _before
+# TimerBase's modes and hook bits, defined in csrc/timer.c.
+_CPU = _C.TIMER_CPU
+_CUDA_CURRENT = _C.TIMER_CUDA       # device="cuda": whichever device is current at each use
+_AUTO = _C.TIMER_AUTO               # no device given: CUDA's current device once it is up
+_AFTER = _C.TIMER_AFTER             # TimerBase._hooks: call Timer._after at exit
+_BEFORE = _C.TIMER_BEFORE           # ... and Timer._before at entry
+_STOPPED = _C.PAIR_STOPPED          # Timing._state once the end event is recorded
 _COLLECT_EVERY = 256                # read finished event pairs of a named timer in batches
 _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50 MB)
 
@@ -55,7 +58,7 @@ _L2_FLUSH_BYTES = 256 * 2**20       # larger than any current GPU's L2 (H200: 50
 def _auto_device() -> int:
     # is_initialized() is a flag check and _cuda_getDevice() is current_device() without its
     # lazy-init path: together well under a microsecond, so the choice can be made per use.
-    if torch.cuda.is_initialized():
+    if cuda_initialized():
         return torch._C._cuda_getDevice()
     return _CPU
 
@@ -111,7 +114,7 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 class Stats(NamedTuple):
     """Summary of a timer's readings, in milliseconds. float(stats) is the median."""
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: a public field since 0.1
     mean: float
     median: float
     p90: float
@@ -147,6 +150,7 @@ class Timing(_C.EventPair):
     by hand; the two events go back to the pool once the reading is taken.
     """
     __slots__ = ("_step0",)
+    _step0: int                     # the Logger's last step at the block's start (log= only)
 
     def _early(self, what: str) -> str:
         label = f"timer {self.name!r}" if self.name else "timer"
@@ -159,7 +163,7 @@ class Timing(_C.EventPair):
         ms = self._ms
         if ms == ms:                    # not NaN: known
             return ms
-        if self._state != 2:
+        if self._state != _STOPPED:
             raise RuntimeError(self._early("ms"))
         return self.elapsed()
 
@@ -168,12 +172,12 @@ class Timing(_C.EventPair):
         ms = self._ms
         if ms == ms:
             return ms
-        return self.poll() if self._state == 2 else None
+        return self.poll() if self._state == _STOPPED else None
 
     @property
     def cpu_ms(self) -> float:
         """Host wall time spent inside the block, in milliseconds."""
-        if self._state != 2:
+        if self._state != _STOPPED:
             raise RuntimeError(self._early("cpu_ms"))
         return self._cpu_ms
 
@@ -189,7 +193,7 @@ class Timing(_C.EventPair):
     def __repr__(self) -> str:
         """Never waits: an unfinished GPU reading shows as pending."""
         label = f"<timer {self.name!r}" if self.name else "<timer"
-        if self._state != 2:
+        if self._state != _STOPPED:
             return f"{label} running>"
         if self._device < 0:
             return f"{label} cpu {self._cpu_ms:.3f} ms>"
@@ -199,7 +203,7 @@ class Timing(_C.EventPair):
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         # Displaying a reading in IPython is reading it: wait for the end event.
-        if self._state == 2:
+        if self._state == _STOPPED:
             self.ms
         p.text(repr(self))
 
@@ -288,6 +292,14 @@ class Timer(_C.TimerBase):
     name's statistics.
     """
     __slots__ = ()
+    if TYPE_CHECKING:               # what TimerBase's members hold here (bind_timer: Timing)
+        _series: _Series | None
+        _log: Logger | None
+        _step: int | None
+
+        @property
+        def last(self) -> Timing | None: ...
+        def __enter__(self) -> Timing: ...
 
     def __init__(self, name: str | None = None, device: Any = None, log: Logger | None = None,
                  step: int | None = None):
@@ -295,18 +307,7 @@ class Timer(_C.TimerBase):
             self._setup(name, device, log, step)
 
     def _setup(self, name: str | None, device: Any, log: Logger | None, step: int | None) -> None:
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"timer name must be a str, got {type(name).__name__}")
-        if log is not None and name is None:
-            raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
-        if step is not None and log is None:
-            raise ValueError("timer(step=...) only applies with log=")
-        if log is not None:
-            if not isinstance(log, Logger):
-                raise TypeError(f"timer(log=...) takes a syncless.Logger, got "
-                                f"{type(log).__name__}")
-            if log.closed:
-                raise ValueError("timer(log=...): this Logger is closed")
+        _check_settings(name, log, step)
         parsed = _parse_device(device)
         self._mode = _AUTO if parsed is None else parsed
         self.name = name
@@ -321,6 +322,7 @@ class Timer(_C.TimerBase):
 
     def _before(self, rec: Timing) -> None:
         log = self._log
+        assert log is not None                   # TIMER_BEFORE is set only with a log
         if self._step is None:
             log._refuse_device_steps(f"timer({self.name!r}, log=...) without step=")
         rec._step0 = log.last_step
@@ -335,6 +337,7 @@ class Timer(_C.TimerBase):
         series.add(rec)
         log = self._log
         if log is not None and not log.closed:
+            assert self.name is not None             # _setup: a log needs a name
             step = self._step
             if step is None:
                 # The step this block belongs to: the last logged step if log() was called
@@ -344,7 +347,7 @@ class Timer(_C.TimerBase):
             # Read on the delivery thread, which may wait for the end event there.
             log.attach(self.name, _Reader(rec), step)
 
-    def __call__(self, fn: Callable) -> Callable:
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorate fn: every call is timed. An unnamed timer takes the function's name."""
         if not callable(fn):
             raise TypeError(f"timer(...) decorates a callable, got {type(fn).__name__}")
@@ -362,7 +365,7 @@ class Timer(_C.TimerBase):
             finally:
                 leave(None, None, None)
 
-        timed.timer = self
+        setattr(timed, "timer", self)            # the decorated function's .timer
         return timed
 
     # -- reading
@@ -424,8 +427,22 @@ class Timer(_C.TimerBase):
         return Report([_report_row(self.name or "(unnamed)", self._readings())])._repr_html_()
 
 
-def timer(name: str | Callable | None = None, *, device: Any = None, log: Logger | None = None,
-          step: int | None = None) -> Any:
+def _check_settings(name: str | None, log: Logger | None, step: int | None) -> None:
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"timer name must be a str, got {type(name).__name__}")
+    if log is not None and name is None:
+        raise ValueError("timer(log=...) needs a name: the metric its durations are logged as")
+    if step is not None and log is None:
+        raise ValueError("timer(step=...) only applies with log=")
+    if log is not None:
+        if not isinstance(log, Logger):
+            raise TypeError(f"timer(log=...) takes a syncless.Logger, got {type(log).__name__}")
+        if log.closed:
+            raise ValueError("timer(log=...): this Logger is closed")
+
+
+def timer(name: str | Callable[..., Any] | None = None, *, device: Any = None,
+          log: Logger | None = None, step: int | None = None) -> Any:
     """Time a block or a function: `with timer() as t:`, `@timer("forward")`, `@timer`.
 
     name    aggregates every use under syncless.timers[name] (and names the logged metric)
@@ -461,7 +478,7 @@ os.register_at_fork(after_in_child=_C.forget_cuda)
 
 # ---- the named-timer registry ------------------------------------------------------------------
 
-def _report_row(name: str, series: _Series) -> tuple:
+def _report_row(name: str, series: _Series) -> tuple[str, str, Stats, Stats]:
     return (name, series.clock, series.stats(), series.cpu_stats())
 
 
@@ -471,7 +488,7 @@ _COLUMNS = ("timer", "clock", "count", "mean", "median", "p90", "min", "max", "c
 class Report:
     """A table of timers (ms): text via str()/repr(), HTML in notebooks."""
 
-    def __init__(self, rows: list[tuple]):
+    def __init__(self, rows: list[tuple[str, str, Stats, Stats]]):
         self.rows = rows            # (name, clock, Stats, cpu Stats)
 
     def _cells(self) -> list[list[str]]:
@@ -521,7 +538,7 @@ class _Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._series
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(list(self._series))
 
     def __len__(self) -> int:

@@ -38,7 +38,8 @@ try:
 except ImportError as exc:
     raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
 
-from ._deferred import Deferred, Failures, check_every, check_name
+from ._checks import ADAPTER_EVERY, check_every, check_max_delay
+from ._deferred import Deferred, Failures, check_name
 
 __all__ = ["init", "log", "flush", "finish"]
 
@@ -64,10 +65,11 @@ def _item_type(dtype: torch.dtype) -> type:
     return bool if dtype == torch.bool else int
 
 
-def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
+def _split(data: Mapping[str, Any], values: list[torch.Tensor], names: list[str],
+           prefix: str = "") -> dict[str, Any]:
     """A copy of `data` with each one-element tensor moved into `values` (the logger's row;
     `names` gets its key) and replaced by a _Slot. Reads only host metadata: no sync."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(key, str):
             check_name(key, "key")
@@ -87,8 +89,8 @@ def _split(data: Mapping, values: list, names: list, prefix: str = "") -> dict:
     return out
 
 
-def _fill(template: dict, values: list) -> dict:
-    out = {}
+def _fill(template: dict[str, Any], values: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, value in template.items():
         if type(value) is _Slot:
             out[key] = value.cast(values[value.index])
@@ -99,7 +101,7 @@ def _fill(template: dict, values: list) -> dict:
     return out
 
 
-def _numbers(data: dict, out: dict, prefix: str = "") -> None:
+def _numbers(data: dict[str, Any], out: dict[str, float], prefix: str = "") -> None:
     for key, value in data.items():
         if type(value) is dict:
             _numbers(value, out, f"{prefix}{key}.")
@@ -118,7 +120,7 @@ def _step(step: Any) -> int:
     raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
 
 
-def _describe(record: tuple) -> tuple[str, str]:
+def _describe(record: tuple[Any, ...]) -> tuple[str, str]:
     keys = ", ".join(repr(k) for k in record[0])
     return keys, f"log({{{keys}}})"
 
@@ -126,7 +128,7 @@ def _describe(record: tuple) -> tuple[str, str]:
 class _RunState:
     """One run's deferred log() calls, replayed to the run in order on the delivery thread."""
 
-    def __init__(self, run: Any, every: int = 50, max_delay: float | None = 2.0):
+    def __init__(self, run: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0):
         self.run = run
         self.latest: dict[str, float] = {}
         self.finished = False
@@ -164,12 +166,13 @@ class _RunState:
             raise _wandb.errors.UsageError(
                 f"Run ({getattr(self.run, 'id', '?')}) is finished. The call to `log` will "
                 "be ignored. Please make sure that you are using an active run.")
-        values: list = []
-        names: list = []
+        values: list[torch.Tensor] = []
+        names: list[str] = []
         template = _split(data, values, names)
         self._deferred.put((template, commit), values, names, step)
 
-    def _replay(self, record: tuple, values: list, step: Any, wall: float) -> None:
+    def _replay(self, record: tuple[Any, ...], values: list[float], step: Any,
+                wall: float) -> None:
         template, commit = record          # the logger's delivery thread
         data = _fill(template, values)
         data.setdefault("_timestamp", wall)
@@ -194,7 +197,7 @@ class _RunState:
 def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> _RunState:
     state = _states.get(id(run))
     if state is None or state.run is not run:
-        state = _states[id(run)] = _RunState(run, 50 if every is None else every,
+        state = _states[id(run)] = _RunState(run, ADAPTER_EVERY if every is None else every,
                                              2.0 if max_delay is _DEFAULT else max_delay)
         try:
             from wandb.sdk.wandb_run import TeardownHook, TeardownStage
@@ -205,13 +208,15 @@ def _deferred(run: Any, every: int | None = None, max_delay: Any = _DEFAULT) -> 
     return state
 
 
-def init(*args: Any, every: int = 50, max_delay: float | None = 2.0, **kwargs: Any) -> Any:
+def init(*args: Any, every: int = ADAPTER_EVERY, max_delay: float | None = 2.0,
+         **kwargs: Any) -> Any:
     """`wandb.init(*args, **kwargs)`, unchanged; returns the real run.
 
-    every: how many log() calls share one device-to-host copy.
+    every: how many log() calls share one device-to-host copy (default 50; a positive int).
     max_delay: seconds after which the next log() hands the calls over anyway, so a slow loop
         still shows up in W&B (None: only every `every` calls, flush() and finish())."""
-    check_every(every, max_delay)                 # before wandb.init starts a run
+    check_every(every)                            # before wandb.init starts a run
+    check_max_delay(max_delay)
     run = _wandb.init(*args, **kwargs)
     if run is not None:
         _deferred(run, every, max_delay)
