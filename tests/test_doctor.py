@@ -604,26 +604,26 @@ def item_site():
 
 def test_a_sync_wins_back_only_the_gpu_idle_it_causes():
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     site = item_site()
     a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 5_000_000, 1)])   # 5 ms blocked
     # GPU-bound: 10 ms step, 9.95 ms of GPU work. Blocking 5 ms wins back at most 0.05 ms.
-    busy = assess(summary(10.0), a, 2, 10.0, True, 10.0, 9.95, 3)
+    busy = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 9.95, 3))
     f = busy.finding("sync")
     assert f.cost_ms == pytest.approx(0.05) and f.fixes[0].predicted_ms == pytest.approx(9.95)
     assert busy.findings == [] and busy.minor == [f], "0.5% of the step: minor"
     assert busy.verdict_kind == "GPU-bound"
     assert "minor (each wins back < 1% of the step):" in busy.report()
     # The same sync in a step whose GPU work is 6 ms: the host work after it idles the GPU.
-    idle = assess(summary(10.0), a, 2, 10.0, True, 10.0, 6.0, 3)
+    idle = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 6.0, 3))
     f = idle.findings[0]
     assert f.kind == "sync" and f.cost_ms == pytest.approx(4.0)
     assert f.fixes[0].predicted_ms == pytest.approx(6.0)
     assert idle.verdict_kind == "CPU-bound" and idle.headroom_ms == pytest.approx(4.0)
     # With the trace's measurement of the GPU idle after the sync (1.5 ms), that is the win.
     from syncless.doctor.diagnose import KernelTime
-    traced = assess(summary(10.0), a, 2, 10.0, True, 10.0, 9.0, 3,
-                    kernel_time=KernelTime(6.0, 1.5, 1.0))
+    traced = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 9.0, 3,
+                    kernel_time=KernelTime(6.0, 1.5, 1.0)))
     f = traced.findings[0]
     assert traced.gpu_work_ms == 6.0 and traced.gpu_work_source == "kernel trace"
     assert f.cost_ms == pytest.approx(1.5) and f.fixes[0].predicted_ms == pytest.approx(8.5)
@@ -650,14 +650,14 @@ def test_framework_syncs_group_by_library_line_with_their_setting():
     hf_trainer = pytest.importorskip("transformers.trainer")
     from syncless.doctor._frames import Frame
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     src = inspect.getsource(hf_trainer).splitlines()
     nan_line = next(i for i, l in enumerate(src, 1) if "torch.isnan(tr_loss_step)" in l)
     entry = item_site()._replace(code="trainer.train()")
     frame = Frame(hf_trainer.__file__, nan_line, "_inner_training_loop")
     site = entry._replace(via=frame.where, chain=(frame,))
     a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 2_000_000, 1)])
-    d = assess(summary(12.0), a, 2, 12.0, True, 11.0, 9.0, 3)
+    d = assess(Measured(summary(12.0), a, 2, 12.0, True, 11.0, 9.0, 3))
     f = d.findings[0]
     assert f.kind == "framework" and \
         f.title == "transformers syncs 1×/step (logging_nan_inf_filter)", d.report()
@@ -743,13 +743,13 @@ def test_gpu_bound_speedups_skip_what_the_model_has():
 
 def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 500_000, 1)],
                     optimizers=[torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1,
                                                 foreach=False)])
     a.kernels = 4 * 300
-    d = assess(summary(10.0, cpu_ms=9.9), a, 2, 10.0, True, 9.0, 2.0, 3, launch_us=5.0,
-               optimizer_ms=2.0, boundary="optimizer.step() (SGD)")
+    d = assess(Measured(summary(10.0, cpu_ms=9.9), a, 2, 10.0, True, 9.0, 2.0, 3, launch_us=5.0,
+               optimizer_ms=2.0, boundary="optimizer.step() (SGD)"))
     text = d.report().splitlines()
     assert text[1] == "a step ends at each optimizer.step() (SGD)"
     assert text[3].startswith("verdict: CPU-bound (kernel launches"), text[3]
@@ -768,24 +768,24 @@ def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
 
 def test_a_copy_that_blocks_now_and_then_is_a_full_launch_queue():
     from syncless.doctor.audit import ASYNC_COPY
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     copy = item_site()._replace(code="static_in.copy_(x)")
     a = cupti_audit([(copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, 1)], steps=5)
-    every = assess(summary(10.0), a, 2, 10.0, True, 9.0, 6.0, 3).finding("sync")
+    every = assess(Measured(summary(10.0), a, 2, 10.0, True, 9.0, 6.0, 3)).finding("sync")
     assert every is not None and "pin it" in every.fixes[0], "a pageable copy every step"
     rare = cupti_audit([], steps=5)
     rare._add(rare.sites, copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, True)   # once in 5 steps
-    d = assess(summary(10.0), rare, 2, 10.0, True, 9.0, 6.0, 3)
+    d = assess(Measured(summary(10.0), rare, 2, 10.0, True, 9.0, 6.0, 3))
     assert d.finding("sync") is None, d.report()
 
 
 def test_the_cuda_graph_fix_predicts_kernel_time_plus_the_graphs_own_gaps():
-    from syncless.doctor.diagnose import GRAPH_GAP_US, KernelTime, assess
+    from syncless.doctor.diagnose import GRAPH_GAP_US, KernelTime, Measured, assess
     a = cupti_audit([])
     a.kernels = 4 * 400
     # Probe (queue full, stream launches): 2.4 ms; the trace's kernel time: 1.9 ms.
-    d = assess(summary(15.0), a, 2, 15.0, True, 14.8, 2.4, 3, launch_us=12.0,
-               kernel_time=KernelTime(1.9, None, 0.0))
+    d = assess(Measured(summary(15.0), a, 2, 15.0, True, 14.8, 2.4, 3, launch_us=12.0,
+               kernel_time=KernelTime(1.9, None, 0.0)))
     f = d.findings[0]
     assert d.gpu_work_ms == 2.4 and d.gpu_work_source == "queue full"
     assert f.kind == "launch-bound" and f.fixes[0].tag == "cuda-graph"

@@ -28,13 +28,16 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .. import _cupti
 from ._frames import Site, outside_syncless, user_site
 from .report import ReportText, render_audit
 
 __all__ = ["audit", "Audit", "SyncSite", "SyncError"]
 
-# Kinds reported by syncless._cupti (kept here so importing this module never loads C code).
-SYNC, COPY, ASYNC_COPY, FREE, SLOW = 1, 2, 3, 4, 5
+# The kinds of call syncless._cupti reports, defined once in csrc/cupti.c. Importing _cupti
+# loads only its own small module: libcupti is opened by load(), at the first audit.
+SYNC, COPY, ASYNC_COPY, FREE, SLOW = (_cupti.SYNC, _cupti.COPY, _cupti.ASYNC_COPY, _cupti.FREE,
+                                      _cupti.SLOW)
 _SYNC_KINDS = (SYNC, COPY, ASYNC_COPY, FREE)
 
 FALLBACK_MISSES = ("torch.cuda.synchronize(), Event.synchronize() and pageable non_blocking "
@@ -148,10 +151,6 @@ def _try_cupti() -> tuple[Any, str]:
     """(the _cupti module, "") when CUPTI can be used, else (None, why not)."""
     if torch._C._autograd._profiler_enabled():
         return None, "torch.profiler is active and holds CUPTI"
-    try:
-        from .. import _cupti
-    except ImportError as e:                      # pragma: no cover - built with the package
-        return None, f"syncless._cupti is not built ({e})"
     if not _cupti.loaded():
         try:
             _cupti.load(_cupti_candidates())
@@ -162,7 +161,6 @@ def _try_cupti() -> tuple[Any, str]:
 
 def _stop_at_exit() -> None:
     try:
-        from .. import _cupti
         _cupti.stop()
     except Exception:                             # interpreter teardown: nothing left to do
         pass

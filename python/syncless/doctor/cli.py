@@ -52,7 +52,8 @@ from ._loader import cpu_count, loader_settings, ready_batches, timed_dataloader
 from ._sampler import StackSampler
 from ._series import Series, split
 from .audit import Audit
-from .diagnose import Diagnosis, QueueProbe, assess, launch_cost_us, profiler, trace_gpu
+from .diagnose import (Diagnosis, Measured, QueueProbe, assess, launch_cost_us, profiler,
+                       trace_gpu)
 from .monitor import StepMonitor
 
 PHASES = ("warm-up", "plain", "monitor", "probe", "audit", "kernels")
@@ -549,13 +550,13 @@ class ScriptSession:
         m = self._feeding_loader_only(m, notes, observed.stalled)
         step_ms = self.step_ms if self.step_ms is not None else m.step_ms
         monitored = max(1, self.done["monitor"])
-        d = assess(m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
-                   self.probe.steps if self.probe else 0, notes,
-                   kernel_time=self.kernel_time,
-                   launch_us=launch_cost_us() if gpu else None, sampler=self.sampler,
-                   boundary=self.boundary_text(),
-                   optimizer_ms=self.optimizer_s * 1e3 / monitored if self.optimizer_s else None,
-                   model=self.bounds.model, autocast=self.bounds.autocast)
+        d = assess(Measured(
+            m, self.audit, self.done["warm-up"], step_ms, gpu, m.gpu_ms, self.gpu_pure_ms,
+            self.probe.steps if self.probe else 0, notes, kernel_time=self.kernel_time,
+            launch_us=launch_cost_us() if gpu else None, sampler=self.sampler,
+            boundary=self.boundary_text(),
+            optimizer_ms=self.optimizer_s * 1e3 / monitored if self.optimizer_s else None,
+            model=self.bounds.model, autocast=self.bounds.autocast))
         if self.traced:
             d.trace = self.trace
         if d.summary.steps:                      # every monitored step, stalls or not
