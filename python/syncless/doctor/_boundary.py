@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from types import CodeType, FrameType
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -86,8 +87,7 @@ class Boundaries:
         self._handles: list = []
         self._backward = None
         self._module_call = None               # nn.Module.__call__ while it is replaced
-        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
-        self._saved_trace = None
+        self._line: _LineWatch | None = None   # --step-at's watcher
 
     # ---- the decision ---------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class Boundaries:
 
         torch.optim.Optimizer.__init__ = optimizer_init
         if self.step_at is not None:
-            self._watch_line(*self.step_at)
+            self._line = _LineWatch(*self.step_at, fire=lambda: self.fire(STEP_AT))
 
     def remove(self) -> None:
         global _active
@@ -159,17 +159,9 @@ class Boundaries:
         if self._optimizer_init is not None:
             torch.optim.Optimizer.__init__ = self._optimizer_init
             self._optimizer_init = None
-        if self._tool is not None:
-            mon, tool = sys.monitoring, self._tool
-            mon.set_events(tool, 0)
-            mon.register_callback(tool, mon.events.PY_START, None)
-            mon.register_callback(tool, mon.events.LINE, None)
-            mon.free_tool_id(tool)
-            mon.restart_events()            # locations this tool DISABLEd are live again
-            self._tool = None
-        if self._saved_trace is not None:
-            sys.settrace(self._saved_trace[0])
-            self._saved_trace = None
+        if self._line is not None:
+            self._line.remove()
+            self._line = None
 
     def reinstall_optimizer_hook(self) -> None:
         """Move the optimizer hook behind hooks registered since (see ScriptSession)."""
@@ -219,9 +211,14 @@ class Boundaries:
             except TypeError:                            # torch < 2.4
                 self.autocast = torch.is_autocast_enabled()
 
-    # ---- --step-at FILE:LINE --------------------------------------------------------------------
 
-    def _watch_line(self, path: str, line: int) -> None:
+class _LineWatch:
+    """--step-at FILE:LINE: calls `fire()` each time that line runs (sys.monitoring on 3.12+,
+    else a trace function on that file's frames)."""
+
+    def __init__(self, path: str, line: int, fire: Callable[[], None]) -> None:
+        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
+        self._saved_trace: tuple[Any] | None = None
         same = (lambda f: f == path or (not os.path.isabs(f) and os.path.abspath(f) == path))
         if sys.version_info >= (3, 12):
             mon = sys.monitoring
@@ -232,17 +229,17 @@ class Boundaries:
             mon.use_tool_id(tool, "syncless doctor")
             self._tool = tool
 
-            def started(code, offset):
+            def started(code: CodeType, offset: int) -> Any:
                 # Code of other files is never looked at again (DISABLE is per code location).
                 if not same(code.co_filename):
                     return mon.DISABLE
                 mon.set_local_events(tool, code, mon.events.LINE)
                 return None
 
-            def at_line(code, n):
+            def at_line(code: CodeType, n: int) -> Any:
                 if n != line:
                     return mon.DISABLE
-                self.fire(STEP_AT)
+                fire()
                 return None
 
             mon.register_callback(tool, mon.events.PY_START, started)
@@ -250,13 +247,26 @@ class Boundaries:
             mon.set_events(tool, mon.events.PY_START)
             return
 
-        def local(frame, event, arg):
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line" and frame.f_lineno == line:
-                self.fire(STEP_AT)
+                fire()
             return local
 
-        def call(frame, event, arg):
+        def call(frame: FrameType, event: str, arg: Any) -> Any:
             return local if same(frame.f_code.co_filename) else None
 
         self._saved_trace = (sys.gettrace(),)
         sys.settrace(call)
+
+    def remove(self) -> None:
+        if self._tool is not None:
+            mon, tool = sys.monitoring, self._tool
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.PY_START, None)
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+            mon.restart_events()            # locations this tool DISABLEd are live again
+            self._tool = None
+        if self._saved_trace is not None:
+            sys.settrace(self._saved_trace[0])
+            self._saved_trace = None

@@ -23,7 +23,8 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import FrameType
+from typing import Any, Callable, TextIO
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -193,10 +194,9 @@ class Audit:
         self._last = None                # (frame id, f_lasti, SyncSite, kind) of the last event
         self._raised = False
         self._saved_trace = None
-        self._thread = None
-        self._warn_ctx = None
-        self._saved_show = None
-        self._hook = None
+        self._thread: int | None = None
+        self._fallback: _SyncDebug | None = None
+        self._hook: Any = None
         self._launch0 = (0, 0)
         self._t0 = 0.0
         self._active = False
@@ -226,7 +226,8 @@ class Audit:
                         why = str(e)
             if self._cupti is None:
                 self.backend, self.reason, self.misses = "torch-sync-debug", why, FALLBACK_MISSES
-                self._start_fallback()
+                self._fallback = _SyncDebug(self)
+                self._fallback.start()
         self._t0 = time.perf_counter()
         return self
 
@@ -240,8 +241,9 @@ class Audit:
                 self.graph_launches += g - self._launch0[1]
                 self._cupti.stop()
                 self._cupti = None
-            elif self.backend == "torch-sync-debug":
-                self._stop_fallback()
+            elif self._fallback is not None:
+                self._fallback.stop()
+                self._fallback = None
         finally:
             if self._hook is not None:
                 self._hook.remove()
@@ -278,7 +280,7 @@ class Audit:
         self._last = (key, entry, kind)
         if self.strict and not self._raised:
             self._raised = True
-            self._raise_in(frame, site, name)
+            _raise_in(self, frame, site, name)
 
     def _add(self, table: dict, site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
         # Syncs made by library code group by the library line (the user's line is where the
@@ -293,56 +295,6 @@ class Audit:
         entry.blocked_ns += ns
         entry.count += new
         return entry
-
-    def _raise_in(self, frame, site: Site, name: str) -> None:
-        """Raise SyncError in the user's frame right after the call that synced returns: a local
-        trace function fires on that frame's next opcode (the CUDA call itself cannot be
-        interrupted from CUPTI)."""
-        message = (f"{name} synchronised with the GPU at {site.where}: `{site.code}` "
-                   f"(inside syncless.audit(strict=True), a no-sync zone)")
-        target = frame
-        while target is not None and (target.f_code.co_filename != site.file
-                                      or target.f_lineno != site.line):
-            target = target.f_back
-        target = target or frame
-
-        def raiser(f, event, arg):
-            if f is target and event in ("opcode", "line", "return"):
-                f.f_trace = None
-                sys.settrace(self._saved_trace[0] if self._saved_trace else None)
-                self._saved_trace = None
-                raise SyncError(message)
-            return raiser if f is target else None
-
-        self._saved_trace = (sys.gettrace(),)
-        target.f_trace_opcodes = True
-        target.f_trace = raiser
-        sys.settrace(lambda f, e, a: None)
-
-    # ---- fallback: torch's sync debug mode ----------------------------------------------------
-
-    def _start_fallback(self) -> None:
-        self._warn_ctx = warnings.catch_warnings()
-        self._warn_ctx.__enter__()
-        warnings.filterwarnings("always", message=r".*synchroniz", category=UserWarning)
-        self._saved_show = warnings.showwarning
-        warnings.showwarning = self._on_warning
-        torch.cuda.set_sync_debug_mode("error" if self.strict else "warn")
-
-    def _stop_fallback(self) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = self._saved_show
-        self._warn_ctx.__exit__(None, None, None)
-        self._warn_ctx = None
-
-    def _on_warning(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message) or threading.get_ident() != self._thread:
-            return self._saved_show(message, category, filename, lineno, file, line)
-        site = user_site(sys._getframe(1))
-        if site is None:
-            return None
-        self._add(self.sites, site, "torch sync debug warning", SYNC, 0, True)
-        return None
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -382,6 +334,66 @@ class Audit:
 
     def _repr_html_(self) -> str | None:
         return None if self._active or not self.elapsed_s else self.report()._repr_html_()
+
+
+def _raise_in(a: Audit, frame: FrameType, site: Site, name: str) -> None:
+    """Raise SyncError in the user's frame right after the call that synced returns: a local
+    trace function fires on that frame's next opcode (the CUDA call itself cannot be interrupted
+    from CUPTI)."""
+    message = (f"{name} synchronised with the GPU at {site.where}: `{site.code}` "
+               f"(inside syncless.audit(strict=True), a no-sync zone)")
+    found: FrameType | None = frame
+    while found is not None and (found.f_code.co_filename != site.file
+                                 or found.f_lineno != site.line):
+        found = found.f_back
+    target = found or frame
+
+    def raiser(f: FrameType, event: str, arg: Any) -> Any:
+        if f is target and event in ("opcode", "line", "return"):
+            f.f_trace = None
+            sys.settrace(a._saved_trace[0] if a._saved_trace else None)
+            a._saved_trace = None
+            raise SyncError(message)
+        return raiser if f is target else None
+
+    a._saved_trace = (sys.gettrace(),)
+    target.f_trace_opcodes = True
+    target.f_trace = raiser
+    sys.settrace(lambda f, e, arg: None)
+
+
+class _SyncDebug:
+    """The fallback: torch's sync debug mode, whose warnings on the audited thread are its
+    syncs (no time blocked, and some syncs unseen: FALLBACK_MISSES)."""
+
+    def __init__(self, a: Audit) -> None:
+        self.a = a
+        self._ctx: warnings.catch_warnings[Any] | None = None
+        self._saved_show: Any = None
+
+    def start(self) -> None:
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("always", message=r".*synchroniz", category=UserWarning)
+        self._saved_show = warnings.showwarning
+        warnings.showwarning = self._on_warning
+        torch.cuda.set_sync_debug_mode("error" if self.a.strict else "warn")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._saved_show
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def _on_warning(self, message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+        if "synchroniz" not in str(message) or threading.get_ident() != self.a._thread:
+            self._saved_show(message, category, filename, lineno, file, line)
+            return
+        site = user_site(sys._getframe(1))
+        if site is not None:
+            self.a._add(self.a.sites, site, "torch sync debug warning", SYNC, 0, True)
 
 
 def audit(fn: Callable[[], Any] | None = None, steps: int | None = None, *,
