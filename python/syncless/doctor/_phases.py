@@ -36,7 +36,9 @@ PLAIN_WALL_S = 60.0      # the unobserved window grows to see a stall again, for
 
 
 def cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    # torch.cuda.is_initialized() has no annotations in torch
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return torch.cuda.is_available() and initialized
 
 
 def drained_clock() -> float:

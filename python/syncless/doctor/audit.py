@@ -53,10 +53,10 @@ class SyncError(RuntimeError):
 class SyncSite:
     """One line of user code that synchronised, aggregated over the block."""
     site: Site
-    what: dict = field(default_factory=dict)    # {"cudaStreamSynchronize": count, ...}
+    what: dict[str, int] = field(default_factory=dict)    # {"cudaStreamSynchronize": count, ...}
     count: int = 0
     blocked_ns: int = 0
-    kinds: set = field(default_factory=set)
+    kinds: set[int] = field(default_factory=set)
 
     @property
     def where(self) -> str:
@@ -69,7 +69,7 @@ class SyncSite:
         return suggest_fix(self.site.code, self.kinds, self.what)
 
 
-def suggest_fix(code: str, kinds: set, what: dict) -> str:
+def suggest_fix(code: str, kinds: set[int], what: dict[str, int]) -> str:
     """The concrete change for one sync site, from the CUDA calls seen and the source line."""
     names = " ".join(what)
     pageable = ("the host tensor is pageable, so the 'async' copy blocks: pin it "
@@ -182,18 +182,19 @@ class Audit:
         self.backend = "none"            # "cupti" | "torch-sync-debug" | "none"
         self.reason = ""                 # why not CUPTI (or why nothing can sync)
         self.misses = ""                 # what the backend in use cannot see
-        self.sites: dict[tuple, SyncSite] = {}
-        self.slow: dict[tuple, SyncSite] = {}      # long non-sync calls (allocation, loading)
+        self.sites: dict[tuple[Any, ...], SyncSite] = {}
+        self.slow: dict[tuple[Any, ...], SyncSite] = {}      # long non-sync calls (allocation, loading)
         self.unattributed = 0
         self.kernels = 0
         self.graph_launches = 0
         self.optimizer_steps = 0
-        self.optimizers: list = []
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.elapsed_s = 0.0
-        self._cupti = None
-        self._last = None                # (frame id, f_lasti, SyncSite, kind) of the last event
+        self._cupti: Any = None          # syncless._cupti while it audits
+        # ((frame id, f_lasti), SyncSite, kind) of the last event
+        self._last: tuple[tuple[int, int], SyncSite, int] | None = None
         self._raised = False
-        self._saved_trace = None
+        self._saved_trace: tuple[Any] | None = None   # sys.gettrace() before strict's raise
         self._thread: int | None = None
         self._fallback: _SyncDebug | None = None
         self._hook: Any = None
@@ -231,7 +232,7 @@ class Audit:
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.elapsed_s += time.perf_counter() - self._t0
         self._active = False
         try:
@@ -252,7 +253,7 @@ class Audit:
                 sys.settrace(self._saved_trace[0])
                 self._saved_trace = None
 
-    def _on_optimizer(self, optimizer, args, kwargs) -> None:
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread:
             return
         self.optimizer_steps += 1
@@ -282,7 +283,7 @@ class Audit:
             self._raised = True
             _raise_in(self, frame, site, name)
 
-    def _add(self, table: dict, site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
+    def _add(self, table: dict[tuple[Any, ...], SyncSite], site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
         # Syncs made by library code group by the library line (the user's line is where the
         # framework was entered, the same for all of them).
         lib = site.chain[0] if site.chain else None

@@ -41,7 +41,7 @@ from ._session_report import diagnosis
 from .diagnose import Diagnosis
 
 
-def _count(least: int):
+def _count(least: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -156,7 +156,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     loader = d.summary.loader or {}
     runs = sum(2 * ns.verify_pairs + (len(_verify.worker_candidates(
         loader.get("num_workers") or 0, f.extra.get("workers_needed"), cpus))
-        if label == "loader" else 0) for f, label, _ in fixes)
+        if label == "loader" and f is not None else 0) for f, label, _ in fixes)
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
@@ -260,7 +260,7 @@ def _exit_by_sigint() -> None:
     raise SystemExit(130)                        # no signals (or the kill came back): the code
 
 
-def _print_script_error(error: BaseException, script: tuple) -> None:
+def _print_script_error(error: BaseException, script: tuple[str, str]) -> None:
     """The script's traceback as `python script.py` prints it: from the script's own frame, not
     through the doctor's and runpy's (all of it when the script's frame is not on it). `script`:
     its path as given (runpy's code filename) and as an absolute path."""

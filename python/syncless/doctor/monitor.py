@@ -30,13 +30,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
 from ._gpuclock import GpuClock, gpu_clock
 from ._loader import loader_settings
-from .findings import is_minor, starvation_finding
+from .findings import Finding, is_minor, starvation_finding
 from .report import ReportText, render_watch, watch_html
 
 __all__ = ["StepMonitor", "watch", "Watch", "MonitorSummary"]
@@ -56,7 +56,7 @@ class MonitorSummary:
     gpu_steps: int               # steps whose GPU time was read
     idle: float | None           # estimated GPU idle fraction: 1 - GPU time / wall time
     data_p90_ms: float = 0.0
-    loader: dict = field(default_factory=dict)
+    loader: dict[str, Any] = field(default_factory=dict)
     data_cpu: float | None = None    # CPU share of the training thread's data wait (None: untimed)
     gpu_clock: GpuClock | None = None    # the GPU's pace and lag, from a Logger(gpu_time=True)
 
@@ -64,7 +64,7 @@ class MonitorSummary:
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
-    def findings(self) -> list:
+    def findings(self) -> list[Finding]:
         """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
         a step can get no faster than its GPU work)."""
         f = starvation_finding(self.data_ms, self.step_ms, self.gpu_ms, self.loader,
@@ -125,7 +125,8 @@ class _GpuTiming:
         # Never initialise CUDA for the monitor's sake: time the GPU only once the loop uses it.
         if self._wanted is False or not torch.cuda.is_available():
             self._state = -1
-        elif torch.cuda.is_initialized():          # else undecided: ask again next step
+        # (torch.cuda.is_initialized() has no annotations in torch)
+        elif torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # else: ask next step
             from .._torch import _C
             self._EventPair = _C.EventPair
             self._device = torch.cuda.current_device()
@@ -302,7 +303,7 @@ class StepMonitor:
     def close(self) -> None:
         self._gpu.close()
 
-    def summary(self, skip: int = 0, exclude: frozenset = frozenset()) -> MonitorSummary:
+    def summary(self, skip: int = 0, exclude: Collection[int] = frozenset()) -> MonitorSummary:
         """Means over the steps recorded (after `skip` warm-up steps, without the steps in
         `exclude`: the doctor's stalls, periodic work it reports apart). Call drain() first for
         every GPU time; without it only the completed ones count."""
@@ -337,15 +338,17 @@ class StepMonitor:
 class Watch:
     """Iterate `iterable` like the original, timing each step; `.monitor` holds the numbers."""
 
-    def __init__(self, iterable: Iterable, log: Any = None, monitor: StepMonitor | None = None,
+    def __init__(self, iterable: Iterable[Any], log: Any = None,
+                 monitor: StepMonitor | None = None,
                  **kw: Any):
         self.iterable = iterable
         self.monitor = monitor or StepMonitor(log=log, loader=iterable, **kw)
 
     def __len__(self) -> int:
-        return len(self.iterable)
+        # An iterable without len() raises TypeError here, as len() of it would.
+        return len(self.iterable)  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         mon = self.monitor
         it = iter(self.iterable)
         if not mon.loader:
@@ -380,7 +383,7 @@ class Watch:
         return watch_html(self)
 
 
-def watch(iterable: Iterable, log: Any = None, **kw: Any) -> Watch:
+def watch(iterable: Iterable[Any], log: Any = None, **kw: Any) -> Watch:
     """`for batch in syncless.watch(loader, log=log):` — per-step data wait, CPU and GPU time,
     logged as data_wait_ms / cpu_ms / step_ms / gpu_ms when a Logger is given. A
     Logger(gpu_time=True) also gives the report the GPU's pace and how far it trails the host,

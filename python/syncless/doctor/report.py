@@ -7,7 +7,7 @@ from typing import Any
 __all__ = ["render_audit", "render_doctor", "render_watch", "watch_html"]
 
 
-def _table(rows: list, header: list) -> list:
+def _table(rows: list[list[Any]], header: list[str]) -> list[str]:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -15,7 +15,7 @@ def _table(rows: list, header: list) -> list:
     return lines
 
 
-def _backend_lines(audit: Any) -> list:
+def _backend_lines(audit: Any) -> list[str]:
     if audit.backend == "cupti":
         return ["sync finder: CUPTI callbacks (every CUDA runtime/driver call of this thread)"]
     if audit.backend == "torch-sync-debug":
