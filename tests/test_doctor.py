@@ -991,21 +991,38 @@ def test_doctor_finds_launch_bound_batch_1():
         assert d.kernels >= 16, d.report()
 
 
+def sleep_cycles_per_ms():
+    """Clock cycles of torch.cuda._sleep per ms. Its first call loads the kernel's module, which
+    inflates the time measured (a "20 ms" sleep calibrated on it ran 0.6 ms on an H200): warm it,
+    then time a sleep of ~10 ms, the fastest of 3."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    cycles, best = 20_000_000, math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return cycles / best
+
+
 @pytest.mark.cuda
 def test_clean_loop_gets_no_finding():
     # The bottleneck is set by construction, not by this host's speed: each step's GPU work is
-    # a 20 ms sleep kernel behind a captured step, its batch a ready-made 256 KB tensor pair that
-    # a worker hands over in well under a millisecond (40x margin). A loader that made its
-    # batches (random rows of 16 MB) kept up on one H200 host and starved on another, faster
-    # one (the doctor rightly asked for 15 workers there). The batch is copied in without
-    # pinning: the copy waits for the previous step's GPU work (free in a GPU-bound loop), so
-    # the host stays one step ahead; with pin_memory=True and non_blocking copies the host ran
-    # ~30 steps ahead and the pinning thread's new pinned buffers waited for the GPU inside
-    # next(), which read as data wait (H200, this test's first version).
+    # a 20 ms sleep kernel behind a captured step; its batch comes ready-made and pinned from a
+    # loader without workers (a list: next() takes microseconds) and is copied in with
+    # non_blocking=True, so the host queues the step's work in well under a millisecond and
+    # waits only in the launch queue once it runs ahead (body time, not data wait): GPU-bound
+    # by a factor of over 20. Two earlier versions depended on the host: a loader that made its
+    # batches (random rows of 16 MB) kept up on one H200 host and starved on another; 2 workers
+    # handing over CPU tensors took 68 ms a batch on another (shared-memory handoff).
     torch.manual_seed(0)
     dim, batch = 256, 128
-    batches = [(torch.randn(batch, dim), torch.randn(batch, dim)) for _ in range(8)]
-    loader = DataLoader(batches, batch_size=None, num_workers=2, persistent_workers=True)
+    batches = [(torch.randn(batch, dim).pin_memory(), torch.randn(batch, dim).pin_memory())
+               for _ in range(8)]
+    loader = DataLoader(batches, batch_size=None, num_workers=0)
     model = nn.Sequential(nn.Linear(dim, 1024), nn.ReLU(), nn.Linear(1024, dim)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x_static = torch.zeros(batch, dim, device="cuda")
@@ -1024,19 +1041,14 @@ def test_clean_loop_gets_no_finding():
         loss_static = F.mse_loss(model(x_static), y_static)
         loss_static.backward()
         opt.step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    cycles_20ms = int(20 * 1_000_000 / start.elapsed_time(end))
+    cycles_20ms = int(20 * sleep_cycles_per_ms())
     rows = []
     with syncless.Logger(every=10, sinks=[syncless.sinks.Callback(
             lambda s, t, v: rows.append(v))], device="cuda") as log:
 
         def step(b):
-            x_static.copy_(b[0])
-            y_static.copy_(b[1])
+            x_static.copy_(b[0], non_blocking=True)
+            y_static.copy_(b[1], non_blocking=True)
             graph.replay()
             torch.cuda._sleep(cycles_20ms)          # the GPU work that bounds the step
             log(loss=loss_static)
