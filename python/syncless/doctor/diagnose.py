@@ -1,45 +1,28 @@
-"""syncless.doctor(): run a training step under the monitor, then the audit, then a GPU probe,
-and print one report ranking what costs time with the change that removes it.
-
-Phases (each after `warmup` unmeasured steps, so lazy module loading, cuDNN autotuning and
-allocator growth are not blamed on the loop):
-  1. monitor   `steps` steps: data wait, CPU time, GPU time per step; the device is drained
-               before and after, so wall time / steps is the real step time.
-  2. audit     a few steps under CUPTI: every sync with its line and blocked time, kernels/step.
-  3. probe     (CUDA) a few steps queued behind a GPU sleep kernel, so the step's kernels run
-               back to back: the GPU time the step really needs, without launch gaps.
-  4. kernels   (CUDA, or trace=path) 3 steps under torch.profiler: the kernels' GPU time (the
-               GPU work figure when the step syncs), the host's time blocked in syncs and the GPU
-               idle they cause, and, with trace=, a Perfetto trace.
-The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines
-(and the time the monitored steps spend at the audited sync lines)."""
+"""The doctor's verdict: assess() turns what the phases measured (a Measured) into a Diagnosis
+that ranks what costs time with the change that removes it; and the GPU-side measurements the
+phases take: the queue-full probe (QueueProbe), the launch cost, the kernel trace's reading
+(trace_gpu). The phases themselves are _phases.py; syncless.doctor() is _api.py."""
 from __future__ import annotations
 
 import bisect
-import math
-import contextlib
 import json
-import os
+import math
 import statistics
-import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
-from time import perf_counter, thread_time
-from typing import Any, Callable, Iterable, TextIO
+from time import perf_counter
+from typing import Any, Iterable
 
 import torch
 
-from ._boundary import Boundaries
-from ._loader import timed_dataloaders
 from ._sampler import StackSampler
 from .audit import ASYNC_COPY, COPY, SYNC, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
-from .monitor import MonitorSummary, StepMonitor
+from .monitor import MonitorSummary
 from .report import ReportText, render_doctor
 
-__all__ = ["doctor", "Diagnosis", "Measured", "assess", "QueueProbe", "timed_dataloaders"]
+__all__ = ["Diagnosis", "Measured", "assess", "QueueProbe", "KernelTime", "trace_gpu"]
 
 
 @dataclass(repr=False)
@@ -153,21 +136,6 @@ class Diagnosis:
                         for k, n in self._sampled.most_common(25) if k] if self.samples else [],
         }
 
-def _cycle(loader: Iterable):
-    while True:
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("doctor(): the loader yielded no batches")
-
-
-def _sync(gpu: bool) -> None:
-    if gpu:
-        torch.cuda.synchronize()
-
-
 def covered(host_ms: float, cover_ms: float) -> bool:
     """Whether a probed step was enqueued while the sleep still held the GPU: a step whose host
     time (a slow batch, say) outlasts the sleep runs its kernels as they come, and timing it would
@@ -233,18 +201,6 @@ class QueueProbe:
             return None
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in self._pairs)
-
-
-def _probe_gpu(step: Callable[[], None], fetch: Callable[[], Any], host_ms: float,
-               n: int) -> float:
-    probe = QueueProbe(host_ms)
-    for _ in range(n):
-        batch = fetch()
-        torch.cuda.synchronize()
-        probe.begin()
-        step(batch)
-        probe.end()
-    return probe.median_ms()
 
 
 def profiler(gpu: bool, cpu: bool = True):
@@ -725,101 +681,3 @@ def _verdict(d: Diagnosis, m: Measured, speedups: list[str]) -> None:
 
 def _share(ms: float, step: float) -> str:
     return f"{ms / step:.0%}" if step > 0 else "-"
-
-def _kernel_phase(call: Callable[[Any], Any], fetch: Callable[[], Any], gpu: bool,
-                  trace: str | None, steps: int = 3) -> tuple[KernelTime | None, str | None]:
-    """Run `steps` steps under torch.profiler (last: it takes CUPTI over): the GPU's kernel time
-    per step (CUDA), and the trace written to `trace` if asked. Returns (ms or None, trace)."""
-    if not gpu and not trace:
-        return None, None
-    path = trace or os.path.join(tempfile.mkdtemp(prefix="syncless-doctor-"), "trace.json")
-    _sync(gpu)
-    with profiler(gpu, cpu=bool(trace)) as prof:
-        for _ in range(steps):
-            call(fetch())
-        _sync(gpu)
-    prof.export_chrome_trace(path)
-    ms = trace_gpu(path, steps) if gpu else None
-    if not trace:
-        os.remove(path)
-        os.rmdir(os.path.dirname(path))
-    return ms, trace
-
-
-def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable | None = None,
-           warmup: int = 3, audit_steps: int | None = None, probe: bool = True,
-           trace: str | None = None, file: TextIO | None | str = "stdout") -> Diagnosis:
-    """Diagnose a training step: `syncless.doctor(train_step, steps=30)` calls train_step()
-    (or train_step(batch) for each batch of `loader`), prints the report to `file` (None: don't)
-    and returns the Diagnosis."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    source = _cycle(loader) if loader is not None else None
-    fetch = (lambda: next(source)) if source is not None else (lambda: None)
-    call = (lambda b: train_step(b)) if loader is not None else (lambda b: train_step())
-
-    # Warm-up; its model calls also name the model (the first module called) and its autocast.
-    seen = Boundaries(lambda kind, restart: None)
-    seen.install()
-    try:
-        for _ in range(warmup):
-            call(fetch())
-    finally:
-        seen.remove()
-    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-
-    # 1. monitor (with the stack sampler)
-    mon = StepMonitor(loader=loader, gpu_every=1)
-    sampler = StackSampler()
-    hook = timed_dataloaders(mon) if loader is None else contextlib.nullcontext()
-    with hook:
-        _sync(gpu)
-        sampler.start()
-        t0 = perf_counter()
-        for _ in range(steps):
-            if source is not None:
-                t, c = perf_counter(), thread_time()
-                batch = fetch()
-                wall = perf_counter() - t
-                mon.add_data_wait(wall)
-                mon.add_data_cpu(wall, thread_time() - c)
-            else:
-                batch = None
-            mon.begin()
-            call(batch)
-            mon.end()
-        _sync(gpu)
-        wall_ms = (perf_counter() - t0) * 1e3
-        sampler.stop()
-    mon.close()
-    summary = mon.summary()
-    step_ms = wall_ms / steps
-
-    # 2. audit
-    n_audit = audit_steps or max(3, min(steps, 10))
-    a = Audit(steps=n_audit)
-    with a:
-        for _ in range(n_audit):
-            call(fetch())
-    _sync(gpu)
-
-    # 3. probe
-    n_probe = 3
-    span = sum(mon.gpu_ms.values()) / len(mon.gpu_ms) if gpu and mon.gpu_ms else 0.0
-    pure = _probe_gpu(call, fetch, step_ms, n_probe) if gpu and probe else None
-    notes = []
-    if loader is None and not summary.loader and summary.data_ms == 0:
-        notes.append("data wait not measured: train_step fetches no DataLoader batch; pass "
-                     "loader= (train_step(batch) is then called per batch)")
-
-    # 4. kernel time (and the trace), last: torch.profiler takes CUPTI over
-    kernel_ms, traced = _kernel_phase(call, fetch, gpu, trace)
-    d = assess(Measured(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes,
-                        kernel_time=kernel_ms, launch_us=launch_cost_us() if gpu else None,
-                        sampler=sampler, boundary="train_step() call", model=seen.model,
-                        autocast=seen.autocast))
-    d.trace = traced
-    if file is not None:
-        print(d.report(), file=sys.stdout if file == "stdout" else file)
-        d._printed = True
-    return d
