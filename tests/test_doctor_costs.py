@@ -302,11 +302,13 @@ def test_a_progress_bar_sync_in_a_gpu_bound_step_costs_the_idle_after_it():
 # ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
 
 class Sleepy(Dataset):
+    # 50 ms a batch against a ~5-ms step body: data-bound by 10x whatever the host's load (at
+    # 20 ms a 2-core host under the whole suite read a 6.8-ms body, at the test's 3x bound).
     def __len__(self):
         return 64
 
     def __getitem__(self, i):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return torch.ones(4)
 
 
@@ -318,7 +320,7 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
         time.sleep(0.005)
 
     d = doctor(step, steps=5, warmup=1, loader=DataLoader(Sleepy(), batch_size=1), file=None)
-    s = d.step_ms                                  # ~25 ms: 20 ms data wait, 5 ms body
+    s = d.step_ms                                  # ~55 ms: 50 ms data wait, 5 ms body
     assert d.summary.data_ms > 3 * d.summary.cpu_ms, d.report()
     cpu = d.summary
 
@@ -338,7 +340,7 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
 
 
 def test_a_data_wait_behind_a_gpu_whose_queue_never_ran_dry_costs_nothing():
-    # A step that waits 20 ms for data and works 5 ms, measured; a GPU given 97% of the step.
+    # A step that waits 50 ms for data and works 5 ms, measured; a GPU given 97% of the step.
     # Traced with its queue never dry (0.1% of the step waiting for launches), the GPU is the
     # step: the data wait hides behind it. Traced waiting 10% of the step for launches, the
     # kernels are its work, and the host (data wait in) is the longer side by the difference.

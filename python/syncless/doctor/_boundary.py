@@ -80,7 +80,8 @@ class Boundaries:
         self.kind: str | None = None
         self.seen = dict.fromkeys(KINDS + (ANY_OPTIMIZER,), 0)
         self.optimizer: torch.optim.Optimizer | None = None   # the first stepped: one per step
-        self.optimizers: list[torch.optim.Optimizer] = []             # every optimizer stepped, in order of first step
+        # every optimizer stepped, in order of first step
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.model: torch.nn.Module | None = None   # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self.optimizer_made = False            # a torch optimizer was constructed

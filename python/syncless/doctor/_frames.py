@@ -52,7 +52,8 @@ def _kind(filename: str) -> str:
     return kind
 
 
-_tops: tuple[tuple[str, ...], set[str]] = ((), set())     # (sys.path it was read for, top-level names)
+# (sys.path it was read for, top-level names)
+_tops: tuple[tuple[str, ...], set[str]] = ((), set())
 
 
 def _installed_elsewhere(path: str) -> str | None:

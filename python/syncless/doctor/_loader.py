@@ -116,7 +116,8 @@ def timed_dataloaders(monitor: Any,
     `on_next()` runs before each next() (a step boundary). Restores DataLoader on exit."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
     original = _BaseDataLoaderIter.__next__
-    workers: dict[int, tuple[_WorkerCpu, list[int]]] = {}   # id(iterator) -> (_WorkerCpu, the iterator's worker pids)
+    # id(iterator) -> (_WorkerCpu, the iterator's worker pids)
+    workers: dict[int, tuple[_WorkerCpu, list[int]]] = {}
 
     def timed_next(self: Any) -> Any:
         if on_next is not None:

@@ -37,7 +37,8 @@ class StackSampler:
         self.counts: collections.Counter[tuple[str, int, str] | None] = collections.Counter()
         self.total = 0
         self.times: list[float] = []          # when each sample was taken (perf_counter) ...
-        self.keys: list[tuple[str, int, str] | None] = []   # ... and its line: lines of chosen steps
+        # ... and its line: lines of chosen steps
+        self.keys: list[tuple[str, int, str] | None] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

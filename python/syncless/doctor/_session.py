@@ -171,7 +171,7 @@ class ScriptSession:
         phase, self.phase = self.phases[self.phase], None
         phase.leave(finished)
 
-    # ---- what the phases and the report ask -------------------------------------------------------
+    # ---- what the phases and the report ask ------------------------------------------------
 
     def evaluation_only(self) -> bool:
         """Steps that end at a model call or next(), while an optimizer exists that never

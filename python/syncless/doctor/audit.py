@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _cupti
 from ._frames import Site, outside_syncless, user_site
-from .report import ReportText, render_audit
+from .report import ReportText, audit_repr, render_audit
 
 __all__ = ["audit", "Audit", "SyncSite", "SyncError"]
 
@@ -183,7 +183,7 @@ class Audit:
         self.reason = ""                 # why not CUPTI (or why nothing can sync)
         self.misses = ""                 # what the backend in use cannot see
         self.sites: dict[tuple[Any, ...], SyncSite] = {}
-        self.slow: dict[tuple[Any, ...], SyncSite] = {}      # long non-sync calls (allocation, loading)
+        self.slow: dict[tuple[Any, ...], SyncSite] = {}   # long non-sync calls (allocation)
         self.unattributed = 0
         self.kernels = 0
         self.graph_launches = 0
@@ -215,20 +215,7 @@ class Audit:
                 "CUDA is not available: work on CPU tensors never waits for a GPU, so there is "
                 "no host-device sync to find")
         else:
-            cupti, why = _try_cupti()
-            if cupti is not None:
-                with _cupti_lock:
-                    try:
-                        cupti.start(self._on_sync, self.copy_threshold_us,
-                                    self.slow_threshold_ms * 1e3)
-                        self._cupti, self.backend = cupti, "cupti"
-                        self._launch0 = cupti.launches()
-                    except RuntimeError as e:
-                        why = str(e)
-            if self._cupti is None:
-                self.backend, self.reason, self.misses = "torch-sync-debug", why, FALLBACK_MISSES
-                self._fallback = _SyncDebug(self)
-                self._fallback.start()
+            _start_finder(self)
         self._t0 = time.perf_counter()
         return self
 
@@ -283,7 +270,8 @@ class Audit:
             self._raised = True
             _raise_in(self, frame, site, name)
 
-    def _add(self, table: dict[tuple[Any, ...], SyncSite], site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
+    def _add(self, table: dict[tuple[Any, ...], SyncSite], site: Site, name: str, kind: int,
+             ns: int, new: bool) -> SyncSite:
         # Syncs made by library code group by the library line (the user's line is where the
         # framework was entered, the same for all of them).
         lib = site.chain[0] if site.chain else None
@@ -316,18 +304,7 @@ class Audit:
         return ReportText(render_audit(self))
 
     def __repr__(self) -> str:
-        finder = {"cupti": "CUPTI", "torch-sync-debug": "torch sync-debug mode"}.get(
-            self.backend, "no sync finder")
-        if self._active:
-            return f"<syncless.Audit: running ({finder})>"
-        if not self.elapsed_s:
-            return "<syncless.Audit: not run yet (with syncless.audit() as a: ...)>"
-        n = sum(s.count for s in self.sites.values())
-        text = (f"<syncless.Audit: {self.step_count} step(s), {self.syncs_per_step():g} "
-                f"sync(s)/step ({n} at {len(self.sites)} line(s))")
-        if self.backend == "cupti":
-            text += f", {self.blocked_ms_per_step():.3f} ms blocked/step"
-        return f"{text} ({finder})>"
+        return audit_repr(self, self._active)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         """IPython shows a finished audit as its report; one running or not run yet as repr()."""
@@ -335,6 +312,23 @@ class Audit:
 
     def _repr_html_(self) -> str | None:
         return None if self._active or not self.elapsed_s else self.report()._repr_html_()
+
+
+def _start_finder(a: Audit) -> None:
+    """CUPTI's callbacks where they subscribe, else torch's sync debug mode."""
+    cupti, why = _try_cupti()
+    if cupti is not None:
+        with _cupti_lock:
+            try:
+                cupti.start(a._on_sync, a.copy_threshold_us, a.slow_threshold_ms * 1e3)
+                a._cupti, a.backend = cupti, "cupti"
+                a._launch0 = cupti.launches()
+            except RuntimeError as e:
+                why = str(e)
+    if a._cupti is None:
+        a.backend, a.reason, a.misses = "torch-sync-debug", why, FALLBACK_MISSES
+        a._fallback = _SyncDebug(a)
+        a._fallback.start()
 
 
 def _raise_in(a: Audit, frame: FrameType, site: Site, name: str) -> None:

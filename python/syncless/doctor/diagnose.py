@@ -15,7 +15,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ._sampler import StackSampler
+from ._sampler import Line, StackSampler
+from ._series import Stalls
 from .audit import ASYNC_COPY, COPY, SYNC, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
@@ -47,31 +48,31 @@ class Diagnosis:
     host_leads: bool = False           # without its syncs the host is well ahead of the GPU
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
-    cpu_split: dict = field(default_factory=dict)
+    cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
-    findings: list = field(default_factory=list)
-    minor: list = field(default_factory=list)
-    minor_notes: list = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    minor: list[Finding] = field(default_factory=list)
+    minor_notes: list[str] = field(default_factory=list)
     verdict: str = ""
     verdict_kind: str = ""             # "GPU-bound" | "CPU-bound" | "data-bound"
     headroom: str = ""
     headroom_ms: float = 0.0
-    speedups: list = field(default_factory=list)
-    settings: list = field(default_factory=list)
-    lines: list = field(default_factory=list)
+    speedups: list[str] = field(default_factory=list)
+    settings: list[str] = field(default_factory=list)
+    lines: list[Line] = field(default_factory=list)
     samples: int = 0
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     trace: str | None = None
-    kernel_time: Any = None            # the trace's KernelTime, as read
+    kernel_time: KernelTime | None = None   # the trace's figures, as read
     plain_step_ms: float | None = None  # the steady step timed unobserved (boundaries only)
     plain_steps: int = 0
     overhead: float | None = None      # step_ms / plain_step_ms: how much observing slowed it
-    periodic: list = field(default_factory=list)   # [_series.Stalls]: work apart from the step
+    periodic: list[Stalls] = field(default_factory=list)   # work apart from the step
     provisional: bool = False
     provisional_why: str = ""
-    verify_lines: list = field(default_factory=list)   # --verify's measurements, for the report
-    verify_runs: tuple = (0, 0.0)                      # (runs, seconds) --verify took
+    verify_lines: list[str] = field(default_factory=list)   # --verify's lines, for the report
+    verify_runs: tuple[int, float] = (0, 0.0)          # (runs, seconds) --verify took
     _sampled: Any = None               # the sampler's counts by (file, line, via)
     _printed: bool = field(default=False, compare=False)   # doctor() printed the report
 
@@ -103,7 +104,7 @@ class Diagnosis:
     def finding(self, kind: str) -> Finding | None:
         return next((f for f in self.findings + self.minor if f.kind == kind), None)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The numbers and findings as plain data (`python -m syncless doctor --json PATH`)."""
         top = self.findings[0] if self.findings else None
         return {
@@ -136,6 +137,16 @@ class Diagnosis:
                         for k, n in self._sampled.most_common(25) if k] if self.samples else [],
         }
 
+# torch.cuda._sleep and torch.cuda.Event carry no annotations in torch: typed once here.
+def _gpu_sleep(cycles: int) -> None:
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+
+
+def _timing_event() -> torch.cuda.Event:
+    event: torch.cuda.Event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    return event
+
+
 def covered(host_ms: float, cover_ms: float) -> bool:
     """Whether a probed step was enqueued while the sleep still held the GPU: a step whose host
     time (a slow batch, say) outlasts the sleep runs its kernels as they come, and timing it would
@@ -149,12 +160,12 @@ class QueueProbe:
     sleep kernel long enough to cover its CPU time (twice over, plus 2 ms, at most 500 ms) and
     timed from the sleep's end. begin() and end() go around a step, on the current stream."""
 
-    def __init__(self, host_ms: float):
+    def __init__(self, host_ms: float) -> None:
         self.cover_ms = min(500.0, 2.0 * host_ms + 2.0)
         self._cycles_per_ms: float | None = None
-        self._start = None
+        self._start: torch.cuda.Event | None = None
         self._host_t0 = 0.0
-        self._pairs: list = []
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.uncovered = 0           # steps whose host time outlasted the sleep: not timed
 
     @staticmethod
@@ -162,27 +173,28 @@ class QueueProbe:
         # The sleep kernel counts clock cycles; a synchronized run converts them to ms. Its first
         # call loads the kernel's module, which inflates the time measured (a "20 ms" sleep
         # calibrated on it ran 0.6 ms on an H200): warm it first, then time 10M cycles.
-        torch.cuda._sleep(1000)
+        _gpu_sleep(1000)
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _timing_event(), _timing_event()
         start.record()
-        torch.cuda._sleep(10_000_000)
+        _gpu_sleep(10_000_000)
         end.record()
         end.synchronize()
-        return 10_000_000 / max(start.elapsed_time(end), 1e-3)
+        ms: float = start.elapsed_time(end)
+        return 10_000_000 / max(ms, 1e-3)
 
     def begin(self) -> None:
         if self._cycles_per_ms is None:
             self._cycles_per_ms = self._calibrate()
-        torch.cuda._sleep(int(self._cycles_per_ms * self.cover_ms))
-        self._start = torch.cuda.Event(enable_timing=True)
+        _gpu_sleep(int(self._cycles_per_ms * self.cover_ms))
+        self._start = _timing_event()
         self._start.record()
         self._host_t0 = perf_counter()
 
     def end(self) -> None:
         if self._start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = _timing_event()
         end.record()
         if covered((perf_counter() - self._host_t0) * 1e3, self.cover_ms):
             self._pairs.append((self._start, end))
@@ -200,10 +212,10 @@ class QueueProbe:
         if not self._pairs:
             return None
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in self._pairs)
+        return float(statistics.median(s.elapsed_time(e) for s, e in self._pairs))
 
 
-def profiler(gpu: bool, cpu: bool = True):
+def profiler(gpu: bool, cpu: bool = True) -> "_Quiet":
     """A torch.profiler.profile of the CPU ops (`cpu`), and of the GPU kernels and CUDA calls
     when `gpu` (CUDA alone adds little host time: no op is recorded on the CPU side)."""
     from torch.profiler import ProfilerActivity, profile
@@ -216,16 +228,16 @@ class _Quiet:
     each cycle" (torch 2.11 says it for a second profile in a process; the doctor reads each
     profile on its own)."""
 
-    def __init__(self, prof):
+    def __init__(self, prof: Any) -> None:
         self.prof = prof
 
-    def __enter__(self):
+    def __enter__(self) -> Any:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events")
             self.prof.__enter__()
         return self.prof
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Any:
         return self.prof.__exit__(*exc)
 
     def export_chrome_trace(self, path: str) -> None:
@@ -270,8 +282,9 @@ class KernelTime:
     queued_gap_ms: float | None = None  # gaps > gap_us before an op that was already queued
     launch_wait_ms: float | None = None  # gaps before an op launched after the GPU was free
     queued_ops: float | None = None    # share of the ops queued LEAD_US before the GPU got free
-    blocked_threads: dict = field(default_factory=dict)   # tid -> blocked ms/step
-    calls: dict = field(default_factory=dict)     # runtime call -> [per step, mean µs]
+    blocked_threads: dict[str, float] = field(default_factory=dict)   # tid -> blocked ms/step
+    # runtime call -> [per step, mean µs]
+    calls: dict[str, list[float]] = field(default_factory=dict)
 
 
 LEAD_US = 10.0     # a kernel launched this long before the GPU got to it: the host is ahead
@@ -308,7 +321,7 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
                    if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))
                    and "Pageable" in str(e.get("name"))}
     to_pageable.discard(None)
-    launched = {}
+    launched: dict[Any, float] = {}
     waits = []
     for e in runtime:
         c = (e.get("args") or {}).get("correlation")
@@ -364,15 +377,15 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
             else:
                 launch_wait += s - end
         end = max(end, e)
-    threads: dict = {}
+    threads: dict[Any, float] = {}
     for e in waits:
         threads[e.get("tid")] = threads.get(e.get("tid"), 0.0) + float(e["dur"]) / per
-    calls: dict = {}                  # runtime call name -> [count/step, mean µs]
+    seen: dict[str, list[float]] = {}          # runtime call name -> [count, total µs]
     for e in runtime:
-        c = calls.setdefault(e.get("name"), [0, 0.0])
+        c = seen.setdefault(e.get("name"), [0, 0.0])
         c[0] += 1
         c[1] += float(e["dur"])
-    calls = {k: [n / steps, t / n] for k, (n, t) in calls.items()}
+    calls = {k: [n / steps, t / n] for k, (n, t) in seen.items()}   # [count/step, mean µs]
     return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per,
                       queued_gap / per, launch_wait / per, queued / max(1, len(ops) - 1),
                       {str(k): v for k, v in threads.items()}, calls)
@@ -385,7 +398,7 @@ def _autocast_on() -> bool:
         return torch.is_autocast_enabled()
 
 
-def _model_info(model: Any, autocast: bool | None) -> tuple[list, list, bool]:
+def _model_info(model: Any, autocast: bool | None) -> tuple[list[str], list[str], bool]:
     """(settings read, GPU-side speedups not yet on, compiled) for the outermost module."""
     if model is None:
         return [], [], False
@@ -417,7 +430,7 @@ def _optimizer_setting(opt: Any) -> str:
     return f"{type(opt).__name__}({', '.join(keys)})"
 
 
-def _loader_setting(s: dict) -> str:
+def _loader_setting(s: dict[str, Any]) -> str:
     keys = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
     return "DataLoader(" + ", ".join(f"{k}={s.get(k)}" for k in keys) + ")"
 
