@@ -43,6 +43,7 @@ def diagnosis(s: ScriptSession, boundary: str | None = None) -> Diagnosis:
     if d.summary.steps:                      # every monitored step, stalls or not
         d.summary = dataclasses.replace(d.summary, steps=s.done["monitor"])
     _honest(s, d, observed)
+    d.framework = s.bounds.framework
     in_framework_words(d.findings + d.minor, s.bounds.framework, gpu)
     return d
 

@@ -8,6 +8,13 @@ setting applied from outside the code:
             persistent_workers, prefetch_factor) for every DataLoader the script makes
   compile   the outermost model compiled in place (nn.Module.compile) at its first call
   tf32      TF32 matmuls and convolutions (torch.backends ... allow_tf32 = True)
+  hf        transformers.TrainingArguments fields replaced before its __post_init__ (the
+            Trainer's dataloader_num_workers, dataloader_pin_memory,
+            dataloader_persistent_workers, torch_compile, torch_compile_mode,
+            accelerator_config={"non_blocking": True}): the fix as an HF Trainer user writes it
+
+A Lightning Trainer runs the user's own DataLoader and model: its loader fix is the DataLoader's
+arguments (loader), its compile the model's (compile).
 
 Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike); the
 fix is kept only when the 95% interval of its paired difference lies below zero. The worker count
@@ -68,6 +75,9 @@ def apply(settings: dict[str, Any]) -> Callable[[], None]:
     mode = settings.get("compile")
     if mode:
         undo.append(_compile_first_model(mode))
+    hf = settings.get("hf")
+    if hf:
+        undo.append(_patch_training_arguments(hf))
     def undo_all() -> None:
         for u in reversed(undo):
             u()
@@ -92,6 +102,34 @@ def _patch_dataloader(overrides: dict[str, Any]) -> Callable[[], None]:
 
     def restore() -> None:
         setattr(DataLoader, "__init__", original)
+    return restore
+
+
+def _patch_training_arguments(overrides: dict[str, Any]) -> Callable[[], None]:
+    from transformers import TrainingArguments
+    original = TrainingArguments.__post_init__
+
+    def post_init(self: Any) -> None:
+        workers = overrides.get("dataloader_num_workers", self.dataloader_num_workers)
+        for key, value in overrides.items():
+            if key in ("dataloader_persistent_workers", "dataloader_prefetch_factor") and \
+                    not workers:
+                continue                    # only valid with workers
+            current = getattr(self, key, None)
+            if key == "accelerator_config" and current is not None:
+                if isinstance(current, dict):
+                    value = {**current, **value}
+                elif not isinstance(current, str):   # an AcceleratorConfig: its fields
+                    for k, v in value.items():
+                        setattr(current, k, v)
+                    continue
+            setattr(self, key, value)
+        original(self)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+
+    setattr(TrainingArguments, "__post_init__", post_init)
+
+    def restore() -> None:
+        setattr(TrainingArguments, "__post_init__", original)
     return restore
 
 
@@ -169,16 +207,34 @@ class Verifier:
         return {"measured_ms": a + mean, "ci_low_ms": a + low, "ci_high_ms": a + high,
                 "baseline_ms": a, "kept": high < 0, "runs": {"without": a_ms, "with": b_ms}}
 
-    def sweep_workers(self, candidates: list[int],
-                      extra: dict[str, Any]) -> tuple[int | None, dict[int, float]]:
+    def sweep_workers(self, candidates: list[int], extra: dict[str, Any],
+                      framework: str = "") -> tuple[int | None, dict[int, float]]:
         """Each worker count once (with `extra` loader settings); the fastest and all readings."""
         seen: dict[int, float] = {}
         for k in candidates:
-            ms = self.measure({"loader": {"num_workers": k, **(extra if k else {})}})
+            ms = self.measure(loader_fix(k, extra, framework)[1])
             if ms is not None:
                 seen[k] = ms
         best = min(seen, key=lambda k: seen[k]) if seen else None
         return best, seen
+
+
+def loader_fix(workers: int, extra: dict[str, Any],
+               framework: str = "") -> tuple[str, dict[str, Any]]:
+    """(label, settings) of the loader fix with `workers` workers and the `extra` DataLoader
+    settings (persistent_workers, pin_memory), in the framework's words: an HF Trainer makes its
+    DataLoader from TrainingArguments; anything else, Lightning too, makes its own."""
+    if framework == "transformers":
+        args: dict[str, Any] = {"dataloader_num_workers": workers}
+        if workers and extra.get("persistent_workers"):
+            args["dataloader_persistent_workers"] = True
+        if extra.get("pin_memory"):
+            args["dataloader_pin_memory"] = True
+            args["accelerator_config"] = {"non_blocking": True}
+        label = "TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+        return label, {"hf": args}
+    loader = {"num_workers": workers, **(extra if workers else {})}
+    return ", ".join(f"{k}={v}" for k, v in loader.items()), {"loader": loader}
 
 
 def worker_candidates(current: int, needed: int | None, cpus: int) -> list[int]:
@@ -198,6 +254,10 @@ def setting_fixes(d: Diagnosis) -> list[Setting]:
     for f in d.findings:
         if f.kind == "starvation":
             out.append((f, "loader", None))          # settings chosen by the sweep
+        elif f.kind == "launch-bound" and d.framework == "transformers":
+            out.append((f, 'TrainingArguments(torch_compile=True, torch_compile_mode='
+                        '"reduce-overhead")', {"hf": {"torch_compile": True,
+                                                      "torch_compile_mode": "reduce-overhead"}}))
         elif f.kind == "launch-bound":
             out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"}))
     if d.gpu and d.verdict_kind == "GPU-bound" and any("TF32" in s or "tf32" in s
@@ -218,7 +278,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             if d.gpu:
                 extra["pin_memory"] = True
             ks = worker_candidates(current, finding.extra.get("workers_needed"), cpus)
-            best, seen = verifier.sweep_workers(ks, extra)
+            best, seen = verifier.sweep_workers(ks, extra, d.framework)
             sweep = ", ".join(f"{k}: {ms:.2f}" for k, ms in sorted(seen.items()))
             if best is None or best == current:
                 finding.verified = {"measured_ms": seen.get(current), "ci_low_ms": None,
@@ -226,8 +286,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
                 lines.append(f"{finding.title}: the sweep (num_workers: ms/step) {sweep} found "
                              f"no count faster than the current {current}: no loader fix kept")
                 continue
-            settings = {"loader": {"num_workers": best, **extra}}
-            label = f"num_workers={best}" + "".join(f", {k}={v}" for k, v in extra.items())
+            label, settings = loader_fix(best, extra, d.framework)
             result = verifier.paired(settings)
             if result is not None:
                 result["sweep"] = seen
@@ -246,7 +305,8 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             f"[95%: {result['ci_low_ms']:.2f}, {result['ci_high_ms']:.2f}]"
             + (f", predicted {predicted:.2f}" if predicted is not None else "")
             + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
-            + (f"; sweep {sweep}" if label.startswith("num_workers") else ""))
+            + (f"; sweep {sweep}" if finding is not None and finding.kind == "starvation"
+               else ""))
     checked = {id(f) for f, _, _ in fixes}
     for f in d.findings:
         if id(f) not in checked:

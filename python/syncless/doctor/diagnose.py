@@ -51,6 +51,7 @@ class Diagnosis:
     cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
+    framework: str = ""                # the loop's: "transformers", "lightning", ... or ""
     findings: list[Finding] = field(default_factory=list)
     minor: list[Finding] = field(default_factory=list)
     minor_notes: list[str] = field(default_factory=list)
@@ -110,7 +111,7 @@ class Diagnosis:
         return {
             "verdict": self.verdict_kind, "verdict_text": self.verdict,
             "headroom_ms": self.headroom_ms,
-            "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
+            "boundary": self.boundary, "framework": self.framework, "steps": self.summary.steps, "step_ms": self.step_ms,
             "plain_step_ms": self.plain_step_ms, "plain_steps": self.plain_steps,
             "overhead": self.overhead, "warmup_steps": self.warmup,
             "provisional": self.provisional, "provisional_why": self.provisional_why,
