@@ -99,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the diagnosis as JSON to PATH")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="measure each fix that is a setting (loader workers by a sweep, "
-                        "torch.compile, TF32) in fresh paired runs of the script, and keep it "
+                        "torch.compile, TF32; an HF Trainer's as TrainingArguments) in fresh "
+                        "paired runs of the script, and keep it "
                         "only if its 95%% interval wins (default: on when those runs are "
                         f"estimated to take under {VERIFY_BUDGET_S:.0f} s)")
     p.add_argument("--verify-pairs", type=_count(2), default=3, metavar="N",
