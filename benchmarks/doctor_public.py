@@ -28,7 +28,7 @@ download, and Yelp-review-shaped rows: 512 tokens, 5 labels, instead of the data
 --hidden, --seq shrink it for the CPU run), and lightning_docs/train.py, Lightning's LitAutoEncoder
 (MNIST(os.getcwd(), download=True), DataLoader(dataset), Trainer(limit_train_batches=100,
 max_epochs=1), then max_epochs raised to 5 so that the doctor's phases fit; MNIST's synthetic
-files as above).
+files as above, or, where torchvision is not installed, a TensorDataset of MNIST's shape).
 
 `run` measures, per script: the doctor's verdict in its default and --quick runs, its steady step
 timed unobserved against the observed one, and the gain of its top fix applied by hand (the
@@ -144,9 +144,8 @@ LIGHTNING_DOCS = """\
 import os
 
 import lightning as L
+import torch
 from torch import nn, optim, utils
-from torchvision.datasets import MNIST
-from torchvision.transforms import ToTensor
 
 encoder = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3))
 decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
@@ -172,7 +171,13 @@ class LitAutoEncoder(L.LightningModule):
 
 
 autoencoder = LitAutoEncoder(encoder, decoder)
-dataset = MNIST(os.getcwd(), download=True, transform=ToTensor())
+try:
+    from torchvision.datasets import MNIST
+    from torchvision.transforms import ToTensor
+    dataset = MNIST(os.getcwd(), download=True, transform=ToTensor())
+except ImportError:        # no torchvision (the doctor_public patch): MNIST's shape, synthetic
+    dataset = utils.data.TensorDataset(torch.rand(60000, 1, 28, 28),
+                                       torch.randint(0, 10, (60000,)))
 train_loader = utils.data.DataLoader(dataset)
 trainer = L.Trainer(limit_train_batches=100, max_epochs=5)
 trainer.fit(model=autoencoder, train_dataloaders=train_loader)

@@ -160,6 +160,7 @@ HF_SLOW_DATA = """
 
     if __name__ == "__main__":
         torch.manual_seed(0)
+        torch.set_num_threads(1)           # see verified_loader_fix
         config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
                             num_attention_heads=2, intermediate_size=64,
                             max_position_embeddings=16)
@@ -202,6 +203,7 @@ LIGHTNING_SLOW_DATA = """
 
     if __name__ == "__main__":
         torch.manual_seed(0)
+        torch.set_num_threads(1)           # see verified_loader_fix
         trainer = L.Trainer(max_steps=400, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             accelerator="cpu", devices=1)
@@ -212,7 +214,9 @@ LIGHTNING_SLOW_DATA = """
 def verified_loader_fix(tmp_path, script):
     """`doctor --quick --verify` on a script whose batches take 40 ms to make (4 examples of a
     10-ms sleep each, no workers) for a step of a few ms: data-bound by construction, and any
-    worker count that the sweep tries beats none by several times."""
+    worker count that the sweep tries beats none by several times. The scripts run torch on one
+    thread: two intra-op threads on a loaded 2-core host made the HF step swing between 50 and
+    700 ms, with or without the doctor."""
     (tmp_path / "train.py").write_text(textwrap.dedent(script))
     r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--quick", "--verify",
                         "--json", "d.json", "train.py"], capture_output=True, text=True,

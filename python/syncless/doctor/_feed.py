@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ._loader import loader_settings
 from ._series import Series, split
-from .monitor import MonitorSummary
+from .monitor import MonitorSummary, StepMonitor
 
-if TYPE_CHECKING:
-    from ._session import ScriptSession
+
+class Owner(Protocol):
+    """What a Feed reads of the session it serves."""
+    phase: str | None
+    monitor: StepMonitor
 
 __all__ = ["Feed", "StepContext", "LoaderRecord", "split_steps"]
 
@@ -62,7 +65,7 @@ class Feed:
     """timed_dataloaders' target for a ScriptSession. Its state restarts with the session's
     (reset()), except the first loader's settings."""
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Owner) -> None:
         self.s = session
         self._settings: dict[str, Any] = {}
         self.reset()

@@ -16,18 +16,20 @@ import shutil
 import tempfile
 import threading
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from ._boundary import Boundaries
+from ._feed import Feed
 from ._loader import ready_batches
+from ._sampler import StackSampler
 from ._series import Series
+from .audit import Audit
 from .diagnose import KernelTime, QueueProbe, profiler, trace_gpu
+from .monitor import StepMonitor
 
-if TYPE_CHECKING:
-    from ._session import ScriptSession
-
-__all__ = ["Phase", "WarmUp", "Plain", "Monitor", "Probe", "AuditPhase", "Trace", "cuda"]
+__all__ = ["Driver", "Phase", "WarmUp", "Plain", "Monitor", "Probe", "AuditPhase", "Trace", "cuda"]
 
 WARMUP_EXTRA = 20        # warm-up steps past --warmup while steps settle or the prefetch lasts
 SETTLED = 3.0            # a warm-up ends on a step at most this many times its fastest step
@@ -48,10 +50,30 @@ def drained_clock() -> float:
     return perf_counter()
 
 
+class Driver(Protocol):
+    """What the phases read and write of the session that drives them (ScriptSession)."""
+    phase: str | None
+    trace: str | None
+    bounds: Boundaries
+    feed: Feed
+    monitor: StepMonitor
+    sampler: StackSampler
+    audit: Audit
+    done: dict[str, int]
+    durations: dict[str, list[float]]
+    why: list[str]
+    plain: Plain
+    watching: Monitor
+
+    def split(self, phase: str) -> Series: ...
+
+    def evaluation_only(self) -> bool: ...
+
+
 class Phase:
     name = ""
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         self.s = session
 
     def enter(self) -> None:
@@ -74,7 +96,7 @@ class Phase:
 class WarmUp(Phase):
     name = "warm-up"
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         super().__init__(session)
         self._ready: list[int] = []          # the loader's ready batches, warm-up steps
 
@@ -127,7 +149,7 @@ class Plain(Phase):
     """The unobserved window: nothing but the boundary's two timestamps per step."""
     name = "plain"
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         super().__init__(session)
         self.own_s = 0.0                     # the doctor's time inside the window
         self._t0 = 0.0
@@ -170,7 +192,7 @@ class Plain(Phase):
 class Monitor(Phase):
     name = "monitor"
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         super().__init__(session)
         self.optimizer_s = 0.0               # host time in optimizer.step()
         self._opt_t0: float | None = None
@@ -232,7 +254,7 @@ class Monitor(Phase):
 class Probe(Phase):
     name = "probe"
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         super().__init__(session)
         self.probe: QueueProbe | None = None
         self.gpu_pure_ms: float | None = None
@@ -272,7 +294,7 @@ class Trace(Phase):
     """Last, because torch.profiler takes CUPTI over."""
     name = "kernels"
 
-    def __init__(self, session: "ScriptSession") -> None:
+    def __init__(self, session: Driver) -> None:
         super().__init__(session)
         self.kernel_time: KernelTime | None = None
         self.traced = False                  # the trace --trace asked for was written

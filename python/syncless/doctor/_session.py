@@ -32,7 +32,7 @@ class Done(BaseException):
 
 
 class ScriptSession:
-    """Runs a script, moving through the phases at its step boundaries."""
+    """Runs a script (or syncless.doctor()'s loop), moving through the phases at its steps."""
 
     def __init__(self, warmup: int = 3, steps: int = 30, probe_steps: int = 3,
                  audit_steps: int = 10, trace: str | None = None, trace_steps: int = 3,

@@ -110,8 +110,8 @@ class Diagnosis:
         top = self.findings[0] if self.findings else None
         return {
             "verdict": self.verdict_kind, "verdict_text": self.verdict,
-            "headroom_ms": self.headroom_ms,
-            "boundary": self.boundary, "framework": self.framework, "steps": self.summary.steps, "step_ms": self.step_ms,
+            "headroom_ms": self.headroom_ms, "framework": self.framework,
+            "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
             "plain_step_ms": self.plain_step_ms, "plain_steps": self.plain_steps,
             "overhead": self.overhead, "warmup_steps": self.warmup,
             "provisional": self.provisional, "provisional_why": self.provisional_why,
