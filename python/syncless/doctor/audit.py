@@ -1,4 +1,4 @@
-"""syncless.audit(): every host-device sync in a block, with the user's line and the time it blocked.
+"""syncless.audit(): every host-device sync in a block, with its line and the time it blocked.
 
     with syncless.audit() as a:
         for _ in range(20):
