@@ -20,6 +20,16 @@ The data patch, in full:
                             uniformly from 33,277 made-up words (2,088,628 / 217,646 / 245,569
                             words; the snapshot's own copy is too large to be stored)
 
+Two scripts are written here, at `prepare`, as the frameworks' own docs show them (their text
+is below, in this file; nothing is fetched): hf_trainer_docs/train.py, the Trainer of Hugging Face's
+"Fine-tune a pretrained model" tutorial (AutoModelForSequenceClassification, TrainingArguments,
+Trainer.train(); bert-base-cased's shape from its config with random weights instead of the
+download, and Yelp-review-shaped rows: 512 tokens, 5 labels, instead of the dataset; --layers,
+--hidden, --seq shrink it for the CPU run), and lightning_docs/train.py, Lightning's LitAutoEncoder
+(MNIST(os.getcwd(), download=True), DataLoader(dataset), Trainer(limit_train_batches=100,
+max_epochs=1), then max_epochs raised to 5 so that the doctor's phases fit; MNIST's synthetic
+files as above, or, where torchvision is not installed, a TensorDataset of MNIST's shape).
+
 `run` measures, per script: the doctor's verdict in its default and --quick runs, its steady step
 timed unobserved against the observed one, and the gain of its top fix applied by hand (the
 script's own option where it has one, else the setting applied from outside the code, as
@@ -74,7 +84,104 @@ CASES = {
     "mnist": ("examples/mnist", "main.py", ["--no-accel", "--epochs", "2"], ["--epochs", "2"],
               {"starvation": {"apply": {"loader": {"num_workers": 8,
                                                    "persistent_workers": True}}}}),
+    "hf_trainer_docs": ("hf_trainer_docs", "train.py",
+                        ["--layers", "2", "--hidden", "64", "--seq", "64"], [],
+                        {"starvation": {"apply": {"hf": {"dataloader_num_workers": 4,
+                                                         "dataloader_persistent_workers": True}}},
+                         "launch-bound": {"apply": {"hf": {
+                             "torch_compile": True, "torch_compile_mode": "reduce-overhead"}}}}),
+    "lightning_docs": ("lightning_docs", "train.py", [], [],
+                       {"starvation": {"apply": {"loader": {"num_workers": 4,
+                                                            "persistent_workers": True}}},
+                        "launch-bound": {"apply": {"compile": "reduce-overhead"}}}),
 }
+
+# The Trainer of Hugging Face's "Fine-tune a pretrained model" tutorial, with the model built from
+# bert-base-cased's configuration (random weights) and rows of the tokenized Yelp reviews' shape.
+HF_TRAINER_DOCS = """\
+import argparse
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, Trainer, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--layers", type=int, default=12)
+p.add_argument("--hidden", type=int, default=768)
+p.add_argument("--seq", type=int, default=512)
+a = p.parse_args()
+
+
+class YelpShaped(torch.utils.data.Dataset):     # tokenized, padded to max_length, 5 labels
+    def __init__(self, n, seq):
+        rng = np.random.default_rng(0)
+        self.ids = rng.integers(1000, 28996, (n, seq))
+        self.labels = rng.integers(0, 5, n)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i].tolist(), "token_type_ids": [0] * self.ids.shape[1],
+                "attention_mask": [1] * self.ids.shape[1], "labels": int(self.labels[i])}
+
+
+config = AutoConfig.for_model("bert", num_labels=5, num_hidden_layers=a.layers,
+                              hidden_size=a.hidden, num_attention_heads=max(1, a.hidden // 64),
+                              intermediate_size=4 * a.hidden)
+model = AutoModelForSequenceClassification.from_config(config)
+small_train_dataset = YelpShaped(1000, a.seq)
+small_eval_dataset = YelpShaped(1000, a.seq)
+training_args = TrainingArguments(output_dir="test_trainer", eval_strategy="epoch",
+                                  report_to="none")
+trainer = Trainer(model=model, args=training_args, train_dataset=small_train_dataset,
+                  eval_dataset=small_eval_dataset)
+trainer.train()
+"""
+
+# Lightning's LitAutoEncoder, as its README and quick start show it (max_epochs 1 -> 5).
+LIGHTNING_DOCS = """\
+import os
+
+import lightning as L
+import torch
+from torch import nn, optim, utils
+
+encoder = nn.Sequential(nn.Linear(28 * 28, 64), nn.ReLU(), nn.Linear(64, 3))
+decoder = nn.Sequential(nn.Linear(3, 64), nn.ReLU(), nn.Linear(64, 28 * 28))
+
+
+class LitAutoEncoder(L.LightningModule):
+    def __init__(self, encoder, decoder):
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        x = x.view(x.size(0), -1)
+        z = self.encoder(x)
+        x_hat = self.decoder(z)
+        loss = nn.functional.mse_loss(x_hat, x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return optim.Adam(self.parameters(), lr=1e-3)
+
+
+autoencoder = LitAutoEncoder(encoder, decoder)
+try:
+    from torchvision.datasets import MNIST
+    from torchvision.transforms import ToTensor
+    dataset = MNIST(os.getcwd(), download=True, transform=ToTensor())
+except ImportError:        # no torchvision (the doctor_public patch): MNIST's shape, synthetic
+    dataset = utils.data.TensorDataset(torch.rand(60000, 1, 28, 28),
+                                       torch.randint(0, 10, (60000,)))
+train_loader = utils.data.DataLoader(dataset)
+trainer = L.Trainer(limit_train_batches=100, max_epochs=5)
+trainer.fit(model=autoencoder, train_dataloaders=train_loader)
+"""
 
 
 # ---- prepare -------------------------------------------------------------------------------------
@@ -129,8 +236,13 @@ def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False) -> No
                  ["imagenet", "word_language_model", "dcgan", "vae", "mnist",
                   ":!word_language_model/data"],
                  os.path.join(dest, "examples"))
+    for folder, text in (("hf_trainer_docs", HF_TRAINER_DOCS), ("lightning_docs", LIGHTNING_DOCS)):
+        os.makedirs(os.path.join(dest, folder), exist_ok=True)
+        with open(os.path.join(dest, folder, "train.py"), "w") as f:
+            f.write(text)
     _shakespeare_char(os.path.join(dest, "nanoGPT", "data", "shakespeare_char"))
     _mnist(os.path.join(dest, "examples", "data", "MNIST", "raw"))
+    _mnist(os.path.join(dest, "lightning_docs", "MNIST", "raw"))
     _wikitext2(os.path.join(dest, "examples", "word_language_model", "data", "wikitext-2"))
 
 

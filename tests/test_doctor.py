@@ -604,26 +604,26 @@ def item_site():
 
 def test_a_sync_wins_back_only_the_gpu_idle_it_causes():
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     site = item_site()
     a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 5_000_000, 1)])   # 5 ms blocked
     # GPU-bound: 10 ms step, 9.95 ms of GPU work. Blocking 5 ms wins back at most 0.05 ms.
-    busy = assess(summary(10.0), a, 2, 10.0, True, 10.0, 9.95, 3)
+    busy = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 9.95, 3))
     f = busy.finding("sync")
     assert f.cost_ms == pytest.approx(0.05) and f.fixes[0].predicted_ms == pytest.approx(9.95)
     assert busy.findings == [] and busy.minor == [f], "0.5% of the step: minor"
     assert busy.verdict_kind == "GPU-bound"
     assert "minor (each wins back < 1% of the step):" in busy.report()
     # The same sync in a step whose GPU work is 6 ms: the host work after it idles the GPU.
-    idle = assess(summary(10.0), a, 2, 10.0, True, 10.0, 6.0, 3)
+    idle = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 6.0, 3))
     f = idle.findings[0]
     assert f.kind == "sync" and f.cost_ms == pytest.approx(4.0)
     assert f.fixes[0].predicted_ms == pytest.approx(6.0)
     assert idle.verdict_kind == "CPU-bound" and idle.headroom_ms == pytest.approx(4.0)
     # With the trace's measurement of the GPU idle after the sync (1.5 ms), that is the win.
     from syncless.doctor.diagnose import KernelTime
-    traced = assess(summary(10.0), a, 2, 10.0, True, 10.0, 9.0, 3,
-                    kernel_time=KernelTime(6.0, 1.5, 1.0))
+    traced = assess(Measured(summary(10.0), a, 2, 10.0, True, 10.0, 9.0, 3,
+                    kernel_time=KernelTime(6.0, 1.5, 1.0)))
     f = traced.findings[0]
     assert traced.gpu_work_ms == 6.0 and traced.gpu_work_source == "kernel trace"
     assert f.cost_ms == pytest.approx(1.5) and f.fixes[0].predicted_ms == pytest.approx(8.5)
@@ -650,14 +650,14 @@ def test_framework_syncs_group_by_library_line_with_their_setting():
     hf_trainer = pytest.importorskip("transformers.trainer")
     from syncless.doctor._frames import Frame
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     src = inspect.getsource(hf_trainer).splitlines()
     nan_line = next(i for i, l in enumerate(src, 1) if "torch.isnan(tr_loss_step)" in l)
     entry = item_site()._replace(code="trainer.train()")
     frame = Frame(hf_trainer.__file__, nan_line, "_inner_training_loop")
     site = entry._replace(via=frame.where, chain=(frame,))
     a = cupti_audit([(site, "cudaStreamSynchronize", SYNC, 2_000_000, 1)])
-    d = assess(summary(12.0), a, 2, 12.0, True, 11.0, 9.0, 3)
+    d = assess(Measured(summary(12.0), a, 2, 12.0, True, 11.0, 9.0, 3))
     f = d.findings[0]
     assert f.kind == "framework" and \
         f.title == "transformers syncs 1×/step (logging_nan_inf_filter)", d.report()
@@ -743,13 +743,13 @@ def test_gpu_bound_speedups_skip_what_the_model_has():
 
 def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
     from syncless.doctor.audit import SYNC
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 500_000, 1)],
                     optimizers=[torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1,
                                                 foreach=False)])
     a.kernels = 4 * 300
-    d = assess(summary(10.0, cpu_ms=9.9), a, 2, 10.0, True, 9.0, 2.0, 3, launch_us=5.0,
-               optimizer_ms=2.0, boundary="optimizer.step() (SGD)")
+    d = assess(Measured(summary(10.0, cpu_ms=9.9), a, 2, 10.0, True, 9.0, 2.0, 3, launch_us=5.0,
+               optimizer_ms=2.0, boundary="optimizer.step() (SGD)"))
     text = d.report().splitlines()
     assert text[1] == "a step ends at each optimizer.step() (SGD)"
     assert text[3].startswith("verdict: CPU-bound (kernel launches"), text[3]
@@ -768,24 +768,24 @@ def test_report_leads_with_verdict_and_orders_fixes_by_predicted_step():
 
 def test_a_copy_that_blocks_now_and_then_is_a_full_launch_queue():
     from syncless.doctor.audit import ASYNC_COPY
-    from syncless.doctor.diagnose import assess
+    from syncless.doctor.diagnose import Measured, assess
     copy = item_site()._replace(code="static_in.copy_(x)")
     a = cupti_audit([(copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, 1)], steps=5)
-    every = assess(summary(10.0), a, 2, 10.0, True, 9.0, 6.0, 3).finding("sync")
+    every = assess(Measured(summary(10.0), a, 2, 10.0, True, 9.0, 6.0, 3)).finding("sync")
     assert every is not None and "pin it" in every.fixes[0], "a pageable copy every step"
     rare = cupti_audit([], steps=5)
     rare._add(rare.sites, copy, "cudaMemcpyAsync", ASYNC_COPY, 200_000, True)   # once in 5 steps
-    d = assess(summary(10.0), rare, 2, 10.0, True, 9.0, 6.0, 3)
+    d = assess(Measured(summary(10.0), rare, 2, 10.0, True, 9.0, 6.0, 3))
     assert d.finding("sync") is None, d.report()
 
 
 def test_the_cuda_graph_fix_predicts_kernel_time_plus_the_graphs_own_gaps():
-    from syncless.doctor.diagnose import GRAPH_GAP_US, KernelTime, assess
+    from syncless.doctor.diagnose import GRAPH_GAP_US, KernelTime, Measured, assess
     a = cupti_audit([])
     a.kernels = 4 * 400
     # Probe (queue full, stream launches): 2.4 ms; the trace's kernel time: 1.9 ms.
-    d = assess(summary(15.0), a, 2, 15.0, True, 14.8, 2.4, 3, launch_us=12.0,
-               kernel_time=KernelTime(1.9, None, 0.0))
+    d = assess(Measured(summary(15.0), a, 2, 15.0, True, 14.8, 2.4, 3, launch_us=12.0,
+               kernel_time=KernelTime(1.9, None, 0.0)))
     f = d.findings[0]
     assert d.gpu_work_ms == 2.4 and d.gpu_work_source == "queue full"
     assert f.kind == "launch-bound" and f.fixes[0].tag == "cuda-graph"
@@ -991,21 +991,38 @@ def test_doctor_finds_launch_bound_batch_1():
         assert d.kernels >= 16, d.report()
 
 
+def sleep_cycles_per_ms():
+    """Clock cycles of torch.cuda._sleep per ms. Its first call loads the kernel's module, which
+    inflates the time measured (a "20 ms" sleep calibrated on it ran 0.6 ms on an H200): warm it,
+    then time a sleep of ~10 ms, the fastest of 3."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    cycles, best = 20_000_000, math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return cycles / best
+
+
 @pytest.mark.cuda
 def test_clean_loop_gets_no_finding():
     # The bottleneck is set by construction, not by this host's speed: each step's GPU work is
-    # a 20 ms sleep kernel behind a captured step, its batch a ready-made 256 KB tensor pair that
-    # a worker hands over in well under a millisecond (40x margin). A loader that made its
-    # batches (random rows of 16 MB) kept up on one H200 host and starved on another, faster
-    # one (the doctor rightly asked for 15 workers there). The batch is copied in without
-    # pinning: the copy waits for the previous step's GPU work (free in a GPU-bound loop), so
-    # the host stays one step ahead; with pin_memory=True and non_blocking copies the host ran
-    # ~30 steps ahead and the pinning thread's new pinned buffers waited for the GPU inside
-    # next(), which read as data wait (H200, this test's first version).
+    # a 20 ms sleep kernel behind a captured step; its batch comes ready-made and pinned from a
+    # loader without workers (a list: next() takes microseconds) and is copied in with
+    # non_blocking=True, so the host queues the step's work in well under a millisecond and
+    # waits only in the launch queue once it runs ahead (body time, not data wait): GPU-bound
+    # by a factor of over 20. Two earlier versions depended on the host: a loader that made its
+    # batches (random rows of 16 MB) kept up on one H200 host and starved on another; 2 workers
+    # handing over CPU tensors took 68 ms a batch on another (shared-memory handoff).
     torch.manual_seed(0)
     dim, batch = 256, 128
-    batches = [(torch.randn(batch, dim), torch.randn(batch, dim)) for _ in range(8)]
-    loader = DataLoader(batches, batch_size=None, num_workers=2, persistent_workers=True)
+    batches = [(torch.randn(batch, dim).pin_memory(), torch.randn(batch, dim).pin_memory())
+               for _ in range(8)]
+    loader = DataLoader(batches, batch_size=None, num_workers=0)
     model = nn.Sequential(nn.Linear(dim, 1024), nn.ReLU(), nn.Linear(1024, dim)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x_static = torch.zeros(batch, dim, device="cuda")
@@ -1024,19 +1041,14 @@ def test_clean_loop_gets_no_finding():
         loss_static = F.mse_loss(model(x_static), y_static)
         loss_static.backward()
         opt.step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1_000_000)
-    end.record()
-    end.synchronize()
-    cycles_20ms = int(20 * 1_000_000 / start.elapsed_time(end))
+    cycles_20ms = int(20 * sleep_cycles_per_ms())
     rows = []
     with syncless.Logger(every=10, sinks=[syncless.sinks.Callback(
             lambda s, t, v: rows.append(v))], device="cuda") as log:
 
         def step(b):
-            x_static.copy_(b[0])
-            y_static.copy_(b[1])
+            x_static.copy_(b[0], non_blocking=True)
+            y_static.copy_(b[1], non_blocking=True)
             graph.replay()
             torch.cuda._sleep(cycles_20ms)          # the GPU work that bounds the step
             log(loss=loss_static)

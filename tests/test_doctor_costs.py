@@ -15,7 +15,7 @@ from syncless.doctor import Audit, doctor
 from syncless.doctor._frames import caller_site
 from syncless.doctor._sampler import StackSampler
 from syncless.doctor.audit import SYNC
-from syncless.doctor.diagnose import KernelTime, assess, trace_gpu
+from syncless.doctor.diagnose import KernelTime, Measured, assess, trace_gpu
 from syncless.doctor.monitor import MonitorSummary
 
 
@@ -121,8 +121,8 @@ def test_a_sync_in_a_host_bound_step_wins_no_more_than_it_blocks():
     # then 1.6 ms of GPU idle while the host encodes the next batch. The probe read 7.18 ms: its
     # queue empties at the .item(), so it times the host's work after it too.
     a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 6_000, 1)], kernels_per_step=386)
-    d = assess(summary(7.32, cpu_ms=7.23), a, 2, 7.32, True, 8.0, 7.18, 3,
-               kernel_time=KernelTime(6.01, 1.6, 1.0, 0.006, 1.6), launch_us=7.5)
+    d = assess(Measured(summary(7.32, cpu_ms=7.23), a, 2, 7.32, True, 8.0, 7.18, 3,
+               kernel_time=KernelTime(6.01, 1.6, 1.0, 0.006, 1.6), launch_us=7.5))
     assert (d.gpu_work_ms, d.gpu_work_source) == (6.01, "kernel trace"), \
         "a sync every step: the trace's kernel time, not the probe"
     sync = d.finding("sync")
@@ -139,8 +139,8 @@ def test_a_sync_costs_the_idle_it_causes_when_the_host_could_run_ahead():
     # 0.015 ms), and the GPU idle 2.1 ms from its returns until the host led again. Without it the
     # host's 16.35 ms hide behind the GPU: the step goes to ~16.5 ms (its twin measured 16.67).
     a = cupti_audit([(item_site(), "cudaStreamSynchronize", SYNC, 7_500, 2)], kernels_per_step=407)
-    d = assess(summary(18.65, 0.37, 18.07), a, 2, 18.65, True, 20.0, 18.0, 3,
-               kernel_time=KernelTime(16.49, 1.48, 2.0, 2.3, 2.1), launch_us=8.2)
+    d = assess(Measured(summary(18.65, 0.37, 18.07), a, 2, 18.65, True, 20.0, 18.0, 3,
+               kernel_time=KernelTime(16.49, 1.48, 2.0, 2.3, 2.1), launch_us=8.2))
     assert d.gpu_work_source == "kernel trace" and d.sync_ms == 2.3
     top = d.findings[0]
     assert top.kind == "sync" and top.cost_ms == pytest.approx(2.1)
@@ -160,8 +160,8 @@ def test_syncs_share_what_removing_them_wins_by_their_blocked_time():
     masking = caller_site(0)._replace(code="trainer.train()")
     a = cupti_audit([(trainer, "cudaStreamSynchronize", SYNC, 2_420_000, 2),
                      (masking, "cudaStreamSynchronize", SYNC, 8_000, 1)], kernels_per_step=466)
-    d = assess(summary(21.77, 0.30, 21.41), a, 2, 21.77, True, 23.3, 22.3, 3,
-               kernel_time=KernelTime(17.46, 0.75, 3.0, 4.9, 4.5), launch_us=10.9)
+    d = assess(Measured(summary(21.77, 0.30, 21.41), a, 2, 21.77, True, 23.3, 22.3, 3,
+               kernel_time=KernelTime(17.46, 0.75, 3.0, 4.9, 4.5), launch_us=10.9))
     costs = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
     first = d.findings[0]
     assert first.kind == "sync" and first.extra["per_step"] == 2
@@ -193,8 +193,8 @@ def test_with_the_host_well_ahead_each_sync_of_the_step_wins_its_share_of_the_gp
     nan, copy, mask, a = trainer_syncs(15_000_000, 11_000, 9_000)
     trace = KernelTime(48.71, 1.142, 5.0, 31.37, 3.903, queued_gap_ms=0.0095,
                        launch_wait_ms=5.32, queued_ops=0.919)
-    d = assess(summary(54.60, 0.62, 53.91), a, 5, 54.60, True, 54.55, None, 0,
-               kernel_time=trace, launch_us=8.7)
+    d = assess(Measured(summary(54.60, 0.62, 53.91), a, 5, 54.60, True, 54.55, None, 0,
+               kernel_time=trace, launch_us=8.7))
     assert d.host_leads and d.sync_ms == pytest.approx(31.37)
     assert d.sync_cost_ms == pytest.approx(54.60 - 48.71), "the whole GPU idle, not 3.90"
     wins = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
@@ -214,8 +214,8 @@ def test_a_step_on_the_gpu_bound_line_says_what_its_findings_still_win():
     nan, copy, mask, a = trainer_syncs(17_800_000, 9_000, 7_000)
     trace = KernelTime(48.56, 0.888, 5.0, 37.48, 2.956, queued_gap_ms=0.008,
                        launch_wait_ms=4.08, queued_ops=0.924)
-    d = assess(summary(52.44, 0.42, 51.99), a, 5, 52.44, True, 52.42, None, 0,
-               kernel_time=trace, launch_us=7.6)
+    d = assess(Measured(summary(52.44, 0.42, 51.99), a, 5, 52.44, True, 52.42, None, 0,
+               kernel_time=trace, launch_us=7.6))
     assert d.verdict_kind == "GPU-bound" and d.host_leads
     wins = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
     idle = 52.44 - 48.56
@@ -235,8 +235,8 @@ def test_with_the_host_near_the_gpu_s_pace_the_syncs_share_by_what_they_block():
     mask = nan._replace(line=nan.line + 2, code="(packed[:, -1] == 0).all()")
     a = cupti_audit([(nan, "cudaStreamSynchronize", SYNC, 4_000_000, 2),
                      (mask, "cudaStreamSynchronize", SYNC, 9_000, 1)], kernels_per_step=466)
-    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
-               kernel_time=KernelTime(17.41, 0.75, 3.0, 8.17, 3.405), launch_us=10.9)
+    d = assess(Measured(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+               kernel_time=KernelTime(17.41, 0.75, 3.0, 8.17, 3.405), launch_us=10.9))
     assert not d.host_leads and d.sync_cost_ms == pytest.approx(3.405)
     wins = {f.where: f.cost_ms for f in d.findings + d.minor if f.kind == "sync"}
     assert wins[mask.where] < 0.01 and wins[nan.where] == pytest.approx(3.405, rel=0.01)
@@ -244,8 +244,8 @@ def test_with_the_host_near_the_gpu_s_pace_the_syncs_share_by_what_they_block():
 
 def test_no_syncs_and_the_gpu_busy_the_whole_step_leave_nothing_to_find():
     a = cupti_audit([], kernels_per_step=300)
-    d = assess(summary(17.0, 0.25, 14.0), a, 2, 17.0, True, 16.9, 16.6, 3,
-               kernel_time=KernelTime(16.5, None, 0.0), launch_us=8.0)
+    d = assess(Measured(summary(17.0, 0.25, 14.0), a, 2, 17.0, True, 16.9, 16.6, 3,
+               kernel_time=KernelTime(16.5, None, 0.0), launch_us=8.0))
     assert d.verdict_kind == "GPU-bound" and d.findings == [], d.report()
     assert d.sync_cost_ms == 0.0
 
@@ -259,8 +259,8 @@ def test_a_gpu_whose_queue_never_ran_dry_is_the_step_and_the_data_wait_costs_not
     a = cupti_audit([], kernels_per_step=388)
     trace = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=0.234,
                        queued_ops=0.997)
-    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
-               kernel_time=trace, launch_us=13.0)
+    d = assess(Measured(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=trace, launch_us=13.0))
     assert (d.gpu_work_ms, d.gpu_work_source) == (30.18, "queue never ran dry")
     assert d.verdict_kind == "GPU-bound" and d.findings == [], d.report()
     assert d.finding("starvation").cost_ms == 0.0
@@ -268,8 +268,8 @@ def test_a_gpu_whose_queue_never_ran_dry_is_the_step_and_the_data_wait_costs_not
     # and the host's time (data wait in) is the longer side by the difference.
     waiting = KernelTime(29.972, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.004, launch_wait_ms=1.5,
                          queued_ops=0.9)
-    d = assess(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
-               kernel_time=waiting, launch_us=13.0)
+    d = assess(Measured(summary(30.18, 3.465, 22.44), a, 5, 30.18, True, 30.13, 29.84, 3,
+               kernel_time=waiting, launch_us=13.0))
     assert (d.gpu_work_ms, d.gpu_work_source) == (29.84, "queue full")
     assert d.finding("starvation").cost_ms == pytest.approx(0.34)
 
@@ -288,8 +288,8 @@ def test_a_progress_bar_sync_in_a_gpu_bound_step_costs_the_idle_after_it():
     sampler.total = 1000
     trace = KernelTime(29.87, 5.916, 2.0, 3.985, 6.348, queued_gap_ms=0.008,
                        launch_wait_ms=8.282, queued_ops=0.97)
-    d = assess(summary(36.46, 4.567, 31.26), a, 5, 36.46, True, 36.42, 36.93, 3,
-               kernel_time=trace, launch_us=13.3, sampler=sampler)
+    d = assess(Measured(summary(36.46, 4.567, 31.26), a, 5, 36.46, True, 36.42, 36.93, 3,
+               kernel_time=trace, launch_us=13.3, sampler=sampler))
     assert d.gpu_work_source == "kernel trace" and d.sync_ms == pytest.approx(36.46 * 0.314)
     top = d.findings[0]
     assert top.kind == "sync" and top.cost_ms == pytest.approx(6.348)
@@ -302,11 +302,13 @@ def test_a_progress_bar_sync_in_a_gpu_bound_step_costs_the_idle_after_it():
 # ---- sleep-based loops: the host side measured, the GPU side given ------------------------------
 
 class Sleepy(Dataset):
+    # 50 ms a batch against a ~5-ms step body: data-bound by 10x whatever the host's load (at
+    # 20 ms a 2-core host under the whole suite read a 6.8-ms body, at the test's 3x bound).
     def __len__(self):
         return 64
 
     def __getitem__(self, i):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return torch.ones(4)
 
 
@@ -318,13 +320,13 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
         time.sleep(0.005)
 
     d = doctor(step, steps=5, warmup=1, loader=DataLoader(Sleepy(), batch_size=1), file=None)
-    s = d.step_ms                                  # ~25 ms: 20 ms data wait, 5 ms body
+    s = d.step_ms                                  # ~55 ms: 50 ms data wait, 5 ms body
     assert d.summary.data_ms > 3 * d.summary.cpu_ms, d.report()
     cpu = d.summary
 
     def with_gpu(gpu_ms):
-        return assess(cpu, d.audit, 1, s, True, gpu_ms, gpu_ms, 3,
-                      kernel_time=KernelTime(gpu_ms, None, 0.0))
+        return assess(Measured(cpu, d.audit, 1, s, True, gpu_ms, gpu_ms, 3,
+                      kernel_time=KernelTime(gpu_ms, None, 0.0)))
 
     # A GPU that needs a tenth of the step: the loader is the bottleneck, its fix the top one.
     fast = with_gpu(0.1 * s)
@@ -338,7 +340,7 @@ def test_a_data_wait_costs_the_step_only_when_the_host_is_the_slower_side():
 
 
 def test_a_data_wait_behind_a_gpu_whose_queue_never_ran_dry_costs_nothing():
-    # A step that waits 20 ms for data and works 5 ms, measured; a GPU given 97% of the step.
+    # A step that waits 50 ms for data and works 5 ms, measured; a GPU given 97% of the step.
     # Traced with its queue never dry (0.1% of the step waiting for launches), the GPU is the
     # step: the data wait hides behind it. Traced waiting 10% of the step for launches, the
     # kernels are its work, and the host (data wait in) is the longer side by the difference.
@@ -355,7 +357,7 @@ def test_a_data_wait_behind_a_gpu_whose_queue_never_ran_dry_costs_nothing():
     def traced(wait_share):
         t = KernelTime(0.97 * s, 0.0, 0.0, 0.0, 0.0, queued_gap_ms=0.0,
                        launch_wait_ms=wait_share * s, queued_ops=1.0 - wait_share)
-        return assess(cpu, d.audit, 1, s, True, s, 0.97 * s, 3, kernel_time=t)
+        return assess(Measured(cpu, d.audit, 1, s, True, s, 0.97 * s, 3, kernel_time=t))
 
     dry = traced(0.001)
     assert (dry.gpu_work_ms, dry.gpu_work_source) == (s, "queue never ran dry")
@@ -377,9 +379,9 @@ def test_the_monitored_steps_stack_samples_time_a_sync_the_audit_saw_barely_bloc
     sampler.counts[(site.file, site.line, site.via)] = 40
     sampler.counts[(site.file, site.line + 1, "")] = 62
     sampler.total = 102
-    d = assess(summary(18.17, cpu_ms=17.61), a, 2, 18.17, True, 95.0, 17.69, 3,
+    d = assess(Measured(summary(18.17, cpu_ms=17.61), a, 2, 18.17, True, 95.0, 17.69, 3,
                kernel_time=KernelTime(13.45, 3.94, 1.0, 1.384, 4.65), launch_us=8.5,
-               sampler=sampler)
+               sampler=sampler))
     assert d.sync_ms_source == "stack samples"
     assert d.sync_ms == pytest.approx(18.17 * 40 / 102)
     assert d.finding("launch-bound") is None, \
@@ -406,9 +408,9 @@ def test_syncs_share_the_win_by_the_monitored_samples_when_the_audit_saw_none_bl
                            (masking.file, masking.line, masking.via): 1,
                            (masking.file, masking.line + 1, ""): 63})   # other host work
     sampler.total = 100
-    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+    d = assess(Measured(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
                kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
-               sampler=sampler)
+               sampler=sampler))
     assert d.sync_ms == pytest.approx(22.09 * 0.37) and d.sync_ms_source == "stack samples"
     first = d.findings[0]
     assert first.extra["per_step"] == 2 and first.cost_ms == pytest.approx(3.405 * 36 / 37)
@@ -426,9 +428,9 @@ def test_a_graph_of_a_step_that_syncs_wins_only_what_it_adds_to_removing_the_syn
     sampler.counts.update({(trainer.file, trainer.line, trainer.via): 18,
                            (trainer.file, trainer.line + 1, ""): 82})
     sampler.total = 100
-    d = assess(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
+    d = assess(Measured(summary(22.09, 0.30, 21.71), a, 2, 22.09, True, 21.8, 24.0, 3,
                kernel_time=KernelTime(17.41, 0.75, 5.0, 0.043, 3.405), launch_us=10.9,
-               sampler=sampler)
+               sampler=sampler))
     sync, launch = d.findings[0], d.finding("launch-bound")
     assert sync.kind == "sync" and sync.cost_ms == pytest.approx(3.405)
     # the host is the slower side by 0.7 ms: the data wait's 0.3 ms count, as a minor-ish third

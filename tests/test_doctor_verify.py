@@ -98,3 +98,153 @@ def test_verify_keeps_a_worker_only_when_it_wins_on_this_machine(tmp_path):
         assert line.endswith(": kept") or ": kept;" in line, line
     else:
         assert "not kept" in line or "no loader fix kept" in line, line
+
+
+# ---- the fix in the framework's words: TrainingArguments, Lightning's DataLoader -----------------
+
+def test_loader_fix_in_each_frameworks_words():
+    extra = {"persistent_workers": True, "pin_memory": True}
+    assert _verify.loader_fix(4, extra, "transformers") == (
+        "TrainingArguments(dataloader_num_workers=4, dataloader_persistent_workers=True, "
+        "dataloader_pin_memory=True, accelerator_config={'non_blocking': True})",
+        {"hf": {"dataloader_num_workers": 4, "dataloader_persistent_workers": True,
+                "dataloader_pin_memory": True, "accelerator_config": {"non_blocking": True}}})
+    assert _verify.loader_fix(0, {"persistent_workers": True}, "transformers") == (
+        "TrainingArguments(dataloader_num_workers=0)", {"hf": {"dataloader_num_workers": 0}})
+    # Lightning runs the user's own DataLoader: its arguments are the fix there, as anywhere.
+    assert _verify.loader_fix(3, {"persistent_workers": True}, "lightning") == (
+        "num_workers=3, persistent_workers=True",
+        {"loader": {"num_workers": 3, "persistent_workers": True}})
+    assert _verify.loader_fix(0, {"persistent_workers": True}) == (
+        "num_workers=0", {"loader": {"num_workers": 0}})
+
+
+def test_training_arguments_take_the_settings_from_outside_and_are_restored(tmp_path):
+    from transformers import TrainingArguments
+    from transformers.trainer_pt_utils import AcceleratorConfig
+    post_init = TrainingArguments.__post_init__
+    undo = _verify.apply({"hf": {"dataloader_num_workers": 3,
+                                 "dataloader_persistent_workers": True,
+                                 "accelerator_config": {"non_blocking": True}}})
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                 dataloader_num_workers=0, dataloader_pin_memory=False)
+        given = TrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                  accelerator_config=AcceleratorConfig(split_batches=True))
+    finally:
+        undo()
+    assert (args.dataloader_num_workers, args.dataloader_persistent_workers) == (3, True)
+    assert args.dataloader_pin_memory is False, "a setting the fix does not name stays the user's"
+    assert args.accelerator_config.non_blocking is True
+    assert given.accelerator_config.non_blocking is True
+    assert given.accelerator_config.split_batches is True, "the user's own config is kept"
+    assert TrainingArguments.__post_init__ is post_init, "undone after the run"
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert plain.dataloader_num_workers == 0
+
+
+HF_SLOW_DATA = """
+    import time
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    class SlowData(Dataset):               # each example takes 10 ms to make (a disk read, say)
+        def __len__(self):
+            return 100000
+
+        def __getitem__(self, i):
+            time.sleep(0.01)
+            return {"input_ids": torch.tensor([(i + k) % 97 + 1 for k in range(8)]),
+                    "labels": torch.tensor(i % 2)}
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        torch.set_num_threads(1)           # see verified_loader_fix
+        config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=64,
+                            max_position_embeddings=16)
+        args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=400,
+                                 logging_steps=1000, save_strategy="no", report_to="none",
+                                 disable_tqdm=True)
+        Trainer(model=BertForSequenceClassification(config), args=args,
+                train_dataset=SlowData()).train()
+"""
+
+LIGHTNING_SLOW_DATA = """
+    import time
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class SlowData(Dataset):               # each example takes 10 ms to make (a disk read, say)
+        def __len__(self):
+            return 100000
+
+        def __getitem__(self, i):
+            time.sleep(0.01)
+            return torch.full((16,), float(i % 7)), torch.tensor(float(i % 2))
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return DataLoader(SlowData(), batch_size=4)
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        torch.set_num_threads(1)           # see verified_loader_fix
+        trainer = L.Trainer(max_steps=400, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            accelerator="cpu", devices=1)
+        trainer.fit(Model())
+"""
+
+
+def verified_loader_fix(tmp_path, script):
+    """`doctor --quick --verify` on a script whose batches take 40 ms to make (4 examples of a
+    10-ms sleep each, no workers) for a step of a few ms: data-bound by construction, and any
+    worker count that the sweep tries beats none by several times. The scripts run torch on one
+    thread: two intra-op threads on a loaded 2-core host made the HF step swing between 50 and
+    700 ms, with or without the doctor."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(script))
+    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--quick", "--verify",
+                        "--json", "d.json", "train.py"], capture_output=True, text=True,
+                       timeout=1500, cwd=tmp_path, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["verdict"] == "data-bound", r.stdout
+    [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
+    v = f["verified"]
+    assert v is not None and v["kept"] is True, d["verify"]
+    assert v["ci_high_ms"] < v["baseline_ms"] and v["measured_ms"] < 0.6 * v["baseline_ms"], v
+    return d, f, r.stdout
+
+
+@pytest.mark.slow
+def test_verify_measures_the_training_arguments_fix_of_an_hf_trainer(tmp_path):
+    d, f, out = verified_loader_fix(tmp_path, HF_SLOW_DATA)
+    assert d["framework"] == "transformers"
+    assert f["fixes"][0]["text"].startswith("TrainingArguments(dataloader_num_workers="), f
+    [line] = [x for x in d["verify"] if x.startswith("TrainingArguments(")]
+    assert "dataloader_num_workers=" in line and line.split(";")[0].endswith(": kept"), line
+
+
+@pytest.mark.slow
+def test_verify_measures_the_dataloader_fix_of_a_lightning_trainer(tmp_path):
+    d, f, out = verified_loader_fix(tmp_path, LIGHTNING_SLOW_DATA)
+    assert d["framework"] == "lightning"
+    assert f["fixes"][0]["text"].startswith("DataLoader(..., num_workers="), f
+    assert "in your train_dataloader()" in f["fixes"][0]["text"], f
+    [line] = [x for x in d["verify"] if x.startswith("num_workers=")]
+    assert line.split(";")[0].endswith(": kept"), line

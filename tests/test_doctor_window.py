@@ -297,3 +297,69 @@ def test_a_lightning_script_gets_the_dataloader_argument(tmp_path):
     [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
     assert f["fixes"][0]["text"].startswith("DataLoader(..., num_workers="), f["fixes"]
     assert "in your train_dataloader()" in f["fixes"][0]["text"]
+
+
+# ---- syncless.doctor(step): the same window as the CLI's ------------------------------------------
+
+def test_doctor_api_reports_a_periodic_stall_apart_from_the_step():
+    # A 10-ms step whose every 8th call stalls 300 ms more (a checkpoint, say): the stall is
+    # periodic work, apart; the steady step is the one timed here with two timestamps.
+    import time
+    from syncless.doctor import doctor
+    calls, durations = [0], []
+
+    def step():
+        t = time.perf_counter()
+        calls[0] += 1
+        time.sleep(0.31 if calls[0] % 8 == 0 else 0.01)
+        durations.append(((time.perf_counter() - t) * 1e3, calls[0] % 8 == 0))
+
+    d = doctor(step, steps=8, warmup=2, audit_steps=3, file=None)
+    true_ms = sorted(ms for ms, stalled in durations if not stalled)[len(durations) // 3]
+    [p] = [p for p in d.periodic if p.every_steps == 8]
+    assert 250 <= p.ms_each <= 360, p
+    assert abs(d.plain_step_ms - true_ms) <= 0.2 * true_ms, (d.plain_step_ms, true_ms)
+    assert abs(d.step_ms - true_ms) <= 0.2 * true_ms, (d.step_ms, true_ms)
+    assert d.overhead == pytest.approx(d.step_ms / d.plain_step_ms)
+    assert d.plain_steps >= 9, "the window grew until the stall came twice"
+    assert d.summary.steps >= 9, "the monitor saw the stall too (its period + 1 steps)"
+    assert d.boundary == "train_step() call"
+    j = d.as_dict()
+    assert j["plain_step_ms"] == d.plain_step_ms and j["periodic"][0]["every_steps"] == 8
+
+
+API_PREFETCH = """
+    import json, sys, time, torch
+    from torch.utils.data import DataLoader, Dataset
+    import syncless
+    class Slow(Dataset):                           # a worker makes a batch in 50 ms
+        def __len__(self): return 100000
+        def __getitem__(self, i):
+            time.sleep(0.05)
+            return torch.ones(4, 8)
+    if __name__ == "__main__":
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def step(b):
+            opt.zero_grad(); model(b).sum().backward(); time.sleep(0.005); opt.step()
+        it = iter(DataLoader(Slow(), batch_size=None, num_workers=2, prefetch_factor=10))
+        time.sleep(1.5)                            # setup, while the workers fill 20 batches
+        d = syncless.doctor(step, steps=15, warmup=2, audit_steps=3, loader=it, file=None)
+        json.dump(d.as_dict(), open("d.json", "w"), default=str)
+"""
+
+
+@pytest.mark.slow
+def test_doctor_api_waits_out_the_loaders_prefetch(tmp_path):
+    # As the CLI's test above: 20 batches made in advance, then 2 workers deliver one each 25 ms
+    # for a 5-ms step. In its own interpreter (worker processes; see above).
+    (tmp_path / "api.py").write_text(textwrap.dedent(API_PREFETCH))
+    r = subprocess.run([sys.executable, "api.py"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
+    assert d["verdict"] == "data-bound", d
+    assert d["plain_step_ms"] >= 15.0, d["plain_step_ms"]
+    assert d["data_ms"] >= 0.3 * d["plain_step_ms"], (d["data_ms"], d["plain_step_ms"])
+    assert d["provisional"] is False, d["provisional_why"]

@@ -10,7 +10,7 @@ import torch
 import syncless
 from syncless.doctor._frames import caller_site
 from syncless.doctor.audit import SYNC, Audit
-from syncless.doctor.diagnose import assess
+from syncless.doctor.diagnose import Measured, assess
 from syncless.doctor.monitor import MonitorSummary
 
 IPython = pytest.importorskip("IPython")
@@ -70,7 +70,7 @@ def test_an_audit_not_run_or_running_shows_its_state(shown):
 def diagnosis():
     """doctor()'s result for a 10 ms step of which 2 .item() syncs a step block 0.5 ms."""
     summary = MonitorSummary(20, 0.0, 10.0, 10.0, None, 0, None)
-    return assess(summary, audit_with_item_syncs(), 2, 10.0, True, 9.0, 6.0, 3)
+    return assess(Measured(summary, audit_with_item_syncs(), 2, 10.0, True, 9.0, 6.0, 3))
 
 
 def test_a_diagnosis_is_one_line_not_a_dataclass_dump():

@@ -8,7 +8,8 @@
 """
 from ._boundary import step
 from .audit import Audit, SyncError, SyncSite, audit
-from .diagnose import Diagnosis, doctor
+from ._api import doctor
+from .diagnose import Diagnosis
 from .findings import Finding, Fix
 from .monitor import MonitorSummary, StepMonitor, Watch, watch
 

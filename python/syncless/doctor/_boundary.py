@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from types import CodeType, FrameType
+from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from ._frameworks import stack_framework
 
@@ -62,7 +64,9 @@ def parse_step_at(text: str) -> tuple[str, int]:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    # torch.cuda.is_initialized() has no annotations in torch
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return initialized and torch.cuda.is_current_stream_capturing()
 
 
 class Boundaries:
@@ -75,19 +79,20 @@ class Boundaries:
         self.step_at = step_at
         self.kind: str | None = None
         self.seen = dict.fromkeys(KINDS + (ANY_OPTIMIZER,), 0)
-        self.optimizer = None                  # the first optimizer stepped: one per step
-        self.optimizers: list = []             # every optimizer stepped, in order of first step
-        self.model = None                      # the first module called from outside any other
+        self.optimizer: torch.optim.Optimizer | None = None   # the first stepped: one per step
+        # every optimizer stepped, in order of first step
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.model: torch.nn.Module | None = None   # the first module called from outside any other
         self.autocast: bool | None = None      # was autocast on in any call of the model
         self.optimizer_made = False            # a torch optimizer was constructed
         self.framework = ""                    # the loop's: "transformers", "lightning", ...
         self.forward_only = 0                  # model calls with autograd off (evaluation)
-        self._optimizer_init = None            # Optimizer.__init__ while it is replaced
-        self._handles: list = []
-        self._backward = None
-        self._module_call = None               # nn.Module.__call__ while it is replaced
-        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
-        self._saved_trace = None
+        self._optimizer_init: Any = None       # Optimizer.__init__ while it is replaced
+        self._handles: list[RemovableHandle] = []
+        self._optimizer_hook: RemovableHandle | None = None
+        self._backward: Any = None             # torch.autograd.backward while it is replaced
+        self._module_call: Any = None          # nn.Module.__call__ while it is replaced
+        self._line: _LineWatch | None = None   # --step-at's watcher
 
     # ---- the decision ---------------------------------------------------------------------------
 
@@ -109,41 +114,39 @@ class Boundaries:
     def install(self) -> None:
         global _active
         _active = self
-        handle = register_optimizer_step_post_hook(self._on_optimizer)
-        handle._doctor_optimizer = True
-        self._handles.append(handle)
+        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer)
         # The first module call, through nn.Module.__call__ itself until it comes: a global
         # module hook would make torch.compile'd modules warn that global hooks are set (a
         # warning the script does not have without the doctor, an error under -W error).
         module_call = self._module_call = torch.nn.Module.__call__
 
-        def first_call(module, *args, **kwargs):
+        def first_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             if self.model is None and not _capturing():
                 self._restore_module_call()
                 self._on_first_module(module)
             return module_call(module, *args, **kwargs)
 
-        torch.nn.Module.__call__ = first_call
+        setattr(torch.nn.Module, "__call__", first_call)
         original = self._backward = torch.autograd.backward
 
-        def backward(*args, **kwargs):
+        def backward(*args: Any, **kwargs: Any) -> None:
             out = original(*args, **kwargs)
             self.fire(BACKWARD)
             return out
 
-        torch.autograd.backward = backward
+        setattr(torch.autograd, "backward", backward)
         # An optimizer made but not stepped yet: the model calls that come first (nanoGPT's
         # estimate_loss() at iteration 0, Lightning's sanity check) are an evaluation, not the
         # step (ScriptSession waits for the training step).
         init = self._optimizer_init = torch.optim.Optimizer.__init__
 
-        def optimizer_init(optimizer, *args, **kwargs):
+        def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             init(optimizer, *args, **kwargs)
             self.optimizer_made = True
 
-        torch.optim.Optimizer.__init__ = optimizer_init
+        setattr(torch.optim.Optimizer, "__init__", optimizer_init)
         if self.step_at is not None:
-            self._watch_line(*self.step_at)
+            self._line = _LineWatch(*self.step_at, fire=lambda: self.fire(STEP_AT))
 
     def remove(self) -> None:
         global _active
@@ -153,40 +156,26 @@ class Boundaries:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
         if self._backward is not None:
-            torch.autograd.backward = self._backward
+            setattr(torch.autograd, "backward", self._backward)
             self._backward = None
         if self._optimizer_init is not None:
-            torch.optim.Optimizer.__init__ = self._optimizer_init
+            setattr(torch.optim.Optimizer, "__init__", self._optimizer_init)
             self._optimizer_init = None
-        if self._tool is not None:
-            mon, tool = sys.monitoring, self._tool
-            mon.set_events(tool, 0)
-            mon.register_callback(tool, mon.events.PY_START, None)
-            mon.register_callback(tool, mon.events.LINE, None)
-            mon.free_tool_id(tool)
-            mon.restart_events()            # locations this tool DISABLEd are live again
-            self._tool = None
-        if self._saved_trace is not None:
-            sys.settrace(self._saved_trace[0])
-            self._saved_trace = None
+        if self._line is not None:
+            self._line.remove()
+            self._line = None
 
     def reinstall_optimizer_hook(self) -> None:
         """Move the optimizer hook behind hooks registered since (see ScriptSession)."""
-        for i, h in enumerate(self._handles):
-            if getattr(h, "_doctor_optimizer", False):
-                h.remove()
-                break
-        else:
-            i = None
-        handle = register_optimizer_step_post_hook(self._on_optimizer)
-        handle._doctor_optimizer = True
-        if i is None:
-            self._handles.append(handle)
-        else:
-            self._handles[i] = handle
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer)
 
-    def _on_optimizer(self, optimizer, args, kwargs) -> None:
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.optimizer is None:
             self.optimizer = optimizer
             self.framework = stack_framework(sys._getframe(1))
@@ -199,10 +188,10 @@ class Boundaries:
 
     def _restore_module_call(self) -> None:
         if self._module_call is not None:
-            torch.nn.Module.__call__ = self._module_call
+            setattr(torch.nn.Module, "__call__", self._module_call)
             self._module_call = None
 
-    def _on_first_module(self, module) -> None:
+    def _on_first_module(self, module: torch.nn.Module) -> None:
         # The first module called is the outermost one (nothing else runs yet). Module.__call__
         # is torch's again at once; hooks on the model stay, registered before its call runs
         # (a forward hook: the call's end is the boundary; a pre-hook: autocast at each call).
@@ -210,7 +199,7 @@ class Boundaries:
         self._handles.append(module.register_forward_hook(lambda m, a, o: self.fire(MODULE)))
         self._handles.append(module.register_forward_pre_hook(self._on_model_call))
 
-    def _on_model_call(self, module, args) -> None:
+    def _on_model_call(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():          # no_grad, inference_mode: forward only
             self.forward_only += 1
         if not self.autocast:
@@ -219,10 +208,17 @@ class Boundaries:
             except TypeError:                            # torch < 2.4
                 self.autocast = torch.is_autocast_enabled()
 
-    # ---- --step-at FILE:LINE --------------------------------------------------------------------
 
-    def _watch_line(self, path: str, line: int) -> None:
-        same = (lambda f: f == path or (not os.path.isabs(f) and os.path.abspath(f) == path))
+class _LineWatch:
+    """--step-at FILE:LINE: calls `fire()` each time that line runs (sys.monitoring on 3.12+,
+    else a trace function on that file's frames)."""
+
+    def __init__(self, path: str, line: int, fire: Callable[[], None]) -> None:
+        self._tool: int | None = None          # the sys.monitoring tool id (3.12+)
+        self._saved_trace: tuple[Any] | None = None
+        def same(f: str) -> bool:
+            return f == path or (not os.path.isabs(f) and os.path.abspath(f) == path)
+
         if sys.version_info >= (3, 12):
             mon = sys.monitoring
             tool = next((t for t in (mon.PROFILER_ID, 3, 4, mon.DEBUGGER_ID)
@@ -232,17 +228,17 @@ class Boundaries:
             mon.use_tool_id(tool, "syncless doctor")
             self._tool = tool
 
-            def started(code, offset):
+            def started(code: CodeType, offset: int) -> Any:
                 # Code of other files is never looked at again (DISABLE is per code location).
                 if not same(code.co_filename):
                     return mon.DISABLE
                 mon.set_local_events(tool, code, mon.events.LINE)
                 return None
 
-            def at_line(code, n):
+            def at_line(code: CodeType, n: int) -> Any:
                 if n != line:
                     return mon.DISABLE
-                self.fire(STEP_AT)
+                fire()
                 return None
 
             mon.register_callback(tool, mon.events.PY_START, started)
@@ -250,13 +246,26 @@ class Boundaries:
             mon.set_events(tool, mon.events.PY_START)
             return
 
-        def local(frame, event, arg):
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line" and frame.f_lineno == line:
-                self.fire(STEP_AT)
+                fire()
             return local
 
-        def call(frame, event, arg):
+        def call(frame: FrameType, event: str, arg: Any) -> Any:
             return local if same(frame.f_code.co_filename) else None
 
         self._saved_trace = (sys.gettrace(),)
         sys.settrace(call)
+
+    def remove(self) -> None:
+        if sys.version_info >= (3, 12) and self._tool is not None:
+            mon, tool = sys.monitoring, self._tool
+            mon.set_events(tool, 0)
+            mon.register_callback(tool, mon.events.PY_START, None)
+            mon.register_callback(tool, mon.events.LINE, None)
+            mon.free_tool_id(tool)
+            mon.restart_events()            # locations this tool DISABLEd are live again
+            self._tool = None
+        if self._saved_trace is not None:
+            sys.settrace(self._saved_trace[0])
+            self._saved_trace = None

@@ -7,6 +7,7 @@ import linecache
 import os
 import sys
 import sysconfig
+from types import FrameType
 from typing import NamedTuple
 
 import torch
@@ -51,7 +52,8 @@ def _kind(filename: str) -> str:
     return kind
 
 
-_tops: tuple[tuple, set[str]] = ((), set())     # (sys.path it was read for, top-level names)
+# (sys.path it was read for, top-level names)
+_tops: tuple[tuple[str, ...], set[str]] = ((), set())
 
 
 def _installed_elsewhere(path: str) -> str | None:
@@ -103,7 +105,7 @@ class Site(NamedTuple):
     function: str
     code: str           # the source line, stripped
     via: str            # "file:line" of the innermost non-torch library frame, or ""
-    chain: tuple = ()   # the non-torch library Frames, innermost first
+    chain: tuple[Frame, ...] = ()   # the non-torch library Frames, innermost first
 
     @property
     def where(self) -> str:
@@ -135,7 +137,7 @@ def stdlib(filename: str) -> bool:
     return filename.startswith("<frozen") or os.path.abspath(filename).startswith(_STDLIB)
 
 
-def user_site(frame) -> Site | None:
+def user_site(frame: FrameType | None) -> Site | None:
     """The first user frame from `frame` outwards; None when the call came from syncless itself
     (its own bookkeeping, never the user's sync)."""
     chain: list[Frame] = []
@@ -158,7 +160,7 @@ def user_site(frame) -> Site | None:
     return None
 
 
-def sampled_site(frame) -> tuple[str, int, str] | None:
+def sampled_site(frame: FrameType | None) -> tuple[str, int, str] | None:
     """(file, line, innermost library "file:line" or "") of the first user frame from `frame`
     outwards, skipping syncless' own frames (the doctor's hooks run inside the user's step)."""
     via = ""
@@ -178,7 +180,7 @@ def caller_site(depth: int = 1) -> Site | None:
     return user_site(sys._getframe(depth + 1))
 
 
-def outside_syncless(frame) -> bool:
+def outside_syncless(frame: FrameType | None) -> bool:
     f = frame
     while f is not None:
         if _kind(f.f_code.co_filename) == "syncless":

@@ -6,6 +6,7 @@ framework's own switch. Each rule looks at the library frames between the user's
 above each frame (a condition split over lines names its setting on the line before)."""
 from __future__ import annotations
 
+from types import FrameType
 from typing import NamedTuple
 
 from ._frames import Frame
@@ -61,7 +62,7 @@ def _accelerate(frame: Frame, text: str) -> tuple[str, str] | None:
     return None
 
 
-def _lightning(frames: tuple, frame: Frame, text: str) -> tuple[str, str] | None:
+def _lightning(frames: tuple[Frame, ...], frame: Frame, text: str) -> tuple[str, str] | None:
     if any("/progress/" in f.file.replace("\\", "/") or "progress_bar" in f.function
            for f in frames):
         return ("self.log(..., prog_bar=True) reads each such metric with .item() every batch "
@@ -83,7 +84,7 @@ def _torchmetrics(frame: Frame, text: str) -> tuple[str, str] | None:
     return None
 
 
-def _wandb(frames: tuple, frame: Frame, text: str) -> tuple[str, str] | None:
+def _wandb(frames: tuple[Frame, ...], frame: Frame, text: str) -> tuple[str, str] | None:
     # wandb.log() turns each tensor into a number with .item() (wandb/util.py json_friendly).
     # Called by a framework's logger, the framework's own rule (or setting) is the fix.
     if any(_package(f) in ("lightning", "transformers", "accelerate") for f in frames):
@@ -93,7 +94,7 @@ def _wandb(frames: tuple, frame: Frame, text: str) -> tuple[str, str] | None:
             "wandb.log")
 
 
-def framework_fix(chain: tuple) -> FrameworkFix | None:
+def framework_fix(chain: tuple[Frame, ...]) -> FrameworkFix | None:
     """The framework setting behind a sync whose library frames (innermost first) are `chain`."""
     for frame in chain:
         pkg = _package(frame)
@@ -117,7 +118,7 @@ def framework_fix(chain: tuple) -> FrameworkFix | None:
 
 # ---- the fixes a framework's user writes in the framework's own words ---------------------------
 
-def stack_framework(frame) -> str:
+def stack_framework(frame: FrameType | None) -> str:
     """The framework that runs the training loop whose frame stack holds `frame` (the innermost):
     "transformers" (its Trainer), "lightning" (its Trainer or Fabric), "accelerate", or ""."""
     found = ""

@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 from time import perf_counter, thread_time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan",
            "plan_workers"]
@@ -22,7 +22,7 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def loader_settings(loader: Any) -> dict:
+def loader_settings(loader: Any) -> dict[str, Any]:
     """The DataLoader settings the starvation advice depends on, from a DataLoader or one of its
     iterators; {} for anything else."""
     from torch.utils.data import DataLoader
@@ -46,7 +46,7 @@ def ready_batches(it: Any) -> int | None:
         queued = it._data_queue.qsize()
     except (AttributeError, NotImplementedError, OSError):
         return None
-    return queued + sum(1 for v in getattr(it, "_task_info", {}).values() if len(v) == 2)
+    return int(queued) + sum(1 for v in getattr(it, "_task_info", {}).values() if len(v) == 2)
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -70,7 +70,7 @@ class _WorkerCpu:
     workers together keep the CPUs they may have busy, they compute, whatever each one's share
     (too many workers on too few CPUs): then the share counted is 1."""
 
-    def __init__(self, pids: list):
+    def __init__(self, pids: list[int]) -> None:
         self.pids = pids
         self.t = perf_counter()
         self.cpu = self._read()
@@ -100,7 +100,7 @@ class _WorkerCpu:
         return elapsed * len(self.pids), used
 
 
-def _worker_pids(it: Any) -> list:
+def _worker_pids(it: Any) -> list[int]:
     try:
         return [w.pid for w in it._workers if w.pid is not None]
     except (AttributeError, TypeError):
@@ -108,16 +108,18 @@ def _worker_pids(it: Any) -> list:
 
 
 @contextlib.contextmanager
-def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
+def timed_dataloaders(monitor: Any,
+                      on_next: Callable[[], None] | None = None) -> Iterator[None]:
     """Time every DataLoader iterator's next() into `monitor.add_data_wait` (for steps that fetch
     their own batches), and the CPU share of the loading into `monitor.add_data_cpu`: the
     training thread's while it makes the batches (num_workers=0), else the worker processes'.
     `on_next()` runs before each next() (a step boundary). Restores DataLoader on exit."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
     original = _BaseDataLoaderIter.__next__
-    workers: dict = {}          # id(iterator) -> (_WorkerCpu, the iterator's worker pids)
+    # id(iterator) -> (_WorkerCpu, the iterator's worker pids)
+    workers: dict[int, tuple[_WorkerCpu, list[int]]] = {}
 
-    def timed_next(self):
+    def timed_next(self: Any) -> Any:
         if on_next is not None:
             on_next()
         if hasattr(monitor, "loader_next"):
@@ -144,7 +146,7 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
             if not monitor.loader:
                 monitor.loader = loader_settings(self)
 
-    def _add_worker_cpu(it) -> None:
+    def _add_worker_cpu(it: Any) -> None:
         pids = _worker_pids(it)
         if not pids:
             return
@@ -156,11 +158,11 @@ def timed_dataloaders(monitor: Any, on_next: Callable[[], None] | None = None):
         if got is not None:
             monitor.add_data_cpu(*got)
 
-    _BaseDataLoaderIter.__next__ = timed_next
+    setattr(_BaseDataLoaderIter, "__next__", timed_next)
     try:
         yield
     finally:
-        _BaseDataLoaderIter.__next__ = original
+        setattr(_BaseDataLoaderIter, "__next__", original)
 
 
 class WorkerPlan:
@@ -193,7 +195,7 @@ class WorkerPlan:
         return max(self.target_ms, self.per_batch_ms / max(workers, 1))
 
 
-def plan_workers(settings: dict, data_ms: float, step_ms: float, target_ms: float,
+def plan_workers(settings: dict[str, Any], data_ms: float, step_ms: float, target_ms: float,
                  cpus: int | None = None, data_cpu: float | None = None,
                  trainer_cpus: int = 1) -> WorkerPlan:
     """`data_cpu`: the CPU share of the loading, measured on the training thread (num_workers=0)

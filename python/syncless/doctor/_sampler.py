@@ -34,10 +34,11 @@ class StackSampler:
     def __init__(self, thread_id: int | None = None, interval: float = 0.002):
         self.thread_id = thread_id if thread_id is not None else threading.get_ident()
         self.interval = interval
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter[tuple[str, int, str] | None] = collections.Counter()
         self.total = 0
-        self.times: list = []                 # when each sample was taken (perf_counter) ...
-        self.keys: list = []                  # ... and its line: lines of chosen steps
+        self.times: list[float] = []          # when each sample was taken (perf_counter) ...
+        # ... and its line: lines of chosen steps
+        self.keys: list[tuple[str, int, str] | None] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -69,10 +70,10 @@ class StackSampler:
             self.total += 1
             del frame
 
-    def line_between(self, windows: list) -> tuple[Line | None, int]:
+    def line_between(self, windows: list[tuple[float, float]]) -> tuple[Line | None, int]:
         """The line with the most samples inside the (start, end) perf_counter windows, and the
         number of samples they hold."""
-        counts: collections.Counter = collections.Counter()
+        counts: collections.Counter[tuple[str, int, str]] = collections.Counter()
         for t0, t1 in windows:
             lo, hi = bisect.bisect_left(self.times, t0), bisect.bisect_right(self.times, t1)
             counts.update(k for k in self.keys[lo:hi] if k is not None)
@@ -84,7 +85,7 @@ class StackSampler:
 
     def top(self, n: int = 5, least: float = 0.03) -> list[Line]:
         """The `n` user lines with the most samples, each holding at least `least` of them."""
-        out = []
+        out: list[Line] = []
         for key, count in self.counts.most_common():
             if len(out) == n or count < least * self.total:
                 break

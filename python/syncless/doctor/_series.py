@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any, Collection
 
 __all__ = ["Stalls", "Series", "split"]
 
@@ -22,13 +23,13 @@ SAME = 3.0           # stalls within 3x of each other's extra time are one kind 
 @dataclass
 class Stalls:
     """Stalls of one kind: at `steps` (indices into the series), `ms_each` over the steady step."""
-    steps: list
+    steps: list[int]
     ms_each: float
     every_steps: int | None          # None: not periodic (seen once, or irregular)
     share: float                     # of the window's wall time
     what: str = ""                   # what the stalled steps did (the monitor's attribution)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"what": self.what, "every_steps": self.every_steps, "ms_each": self.ms_each,
                 "share": self.share, "seen": len(self.steps)}
 
@@ -39,14 +40,14 @@ class Series:
     mean_ms: float                   # mean of every step (what wall / steps says)
     median_ms: float
     steps: int
-    stalls: list = field(default_factory=list)     # [Stalls], the largest share first
+    stalls: list[Stalls] = field(default_factory=list)     # [Stalls], the largest share first
 
     @property
-    def stalled(self) -> set:
+    def stalled(self) -> set[int]:
         return {i for s in self.stalls for i in s.steps}
 
 
-def _period(steps: list) -> int | None:
+def _period(steps: list[int]) -> int | None:
     """The interval of stalls at `steps` when it is regular (3 of 4 gaps within 10% or one step of
     the median gap), else None; two stalls give their one gap."""
     if len(steps) < 2:
@@ -58,7 +59,7 @@ def _period(steps: list) -> int | None:
     return p if p > 1 and regular >= 0.75 * len(gaps) else None
 
 
-def split(durations_ms: list, steady: set = frozenset()) -> Series:
+def split(durations_ms: list[float], steady: Collection[int] = frozenset()) -> Series:
     """The steady step and the stalls of a run of step durations (ms); the steps in `steady`
     are never stalls."""
     n = len(durations_ms)
@@ -69,21 +70,21 @@ def split(durations_ms: list, steady: set = frozenset()) -> Series:
               if d > SPIKE * median and d - median >= FLOOR_MS and i not in steady]
     spiked = set(spikes)
     rest = [d for i, d in enumerate(durations_ms) if i not in spiked]
-    steady = statistics.fmean(rest) if rest else median
+    steady_ms = statistics.fmean(rest) if rest else median
     total = sum(durations_ms)
     # Group the stalls by size: sorted by their extra time, a new group where it jumps by SAME.
-    groups: list = []
+    groups: list[list[int]] = []
     for i in sorted(spikes, key=lambda i: durations_ms[i]):
-        extra = durations_ms[i] - steady
-        if groups and extra <= SAME * (durations_ms[groups[-1][0]] - steady):
+        extra = durations_ms[i] - steady_ms
+        if groups and extra <= SAME * (durations_ms[groups[-1][0]] - steady_ms):
             groups[-1].append(i)
         else:
             groups.append([i])
     stalls = []
     for g in groups:
         g.sort()
-        extra = [durations_ms[i] - steady for i in g]
-        stalls.append(Stalls(g, statistics.fmean(extra), _period(g),
-                             sum(extra) / total if total > 0 else 0.0))
+        extra_ms = [durations_ms[i] - steady_ms for i in g]
+        stalls.append(Stalls(g, statistics.fmean(extra_ms), _period(g),
+                             sum(extra_ms) / total if total > 0 else 0.0))
     stalls.sort(key=lambda s: -s.share)
-    return Series(steady, total / n, median, n, stalls)
+    return Series(steady_ms, total / n, median, n, stalls)

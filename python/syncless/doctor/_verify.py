@@ -8,6 +8,13 @@ setting applied from outside the code:
             persistent_workers, prefetch_factor) for every DataLoader the script makes
   compile   the outermost model compiled in place (nn.Module.compile) at its first call
   tf32      TF32 matmuls and convolutions (torch.backends ... allow_tf32 = True)
+  hf        transformers.TrainingArguments fields replaced before its __post_init__ (the
+            Trainer's dataloader_num_workers, dataloader_pin_memory,
+            dataloader_persistent_workers, torch_compile, torch_compile_mode,
+            accelerator_config={"non_blocking": True}): the fix as an HF Trainer user writes it
+
+A Lightning Trainer runs the user's own DataLoader and model: its loader fix is the DataLoader's
+arguments (loader), its compile the model's (compile).
 
 Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike); the
 fix is kept only when the 95% interval of its paired difference lies below zero. The worker count
@@ -23,7 +30,11 @@ import subprocess
 import sys
 import tempfile
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .diagnose import Diagnosis
+    from .findings import Finding
 
 __all__ = ["apply", "ci95", "Verifier"]
 
@@ -33,7 +44,7 @@ _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         9: 2.262, 10: 2.228}
 
 
-def ci95(diffs: list) -> tuple[float, float, float]:
+def ci95(diffs: list[float]) -> tuple[float, float, float]:
     """Mean and 95% interval of paired differences (t distribution)."""
     n = len(diffs)
     mean = statistics.fmean(diffs)
@@ -45,11 +56,11 @@ def ci95(diffs: list) -> tuple[float, float, float]:
 
 # ---- in the measured run: the settings, applied from outside the code ---------------------------
 
-def apply(settings: dict):
+def apply(settings: dict[str, Any]) -> Callable[[], None]:
     """Apply `settings` (what --apply carries) to this process before the script runs; returns
     the function that undoes it."""
     import torch
-    undo = []
+    undo: list[Callable[[], None]] = []
     loader = settings.get("loader")
     if loader:
         undo.append(_patch_dataloader(loader))
@@ -58,21 +69,27 @@ def apply(settings: dict):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-        def tf32_off():
+        def tf32_off() -> None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
         undo.append(tf32_off)
     mode = settings.get("compile")
     if mode:
         undo.append(_compile_first_model(mode))
-    return lambda: [u() for u in reversed(undo)]
+    hf = settings.get("hf")
+    if hf:
+        undo.append(_patch_training_arguments(hf))
+    def undo_all() -> None:
+        for u in reversed(undo):
+            u()
+    return undo_all
 
 
-def _patch_dataloader(overrides: dict):
+def _patch_dataloader(overrides: dict[str, Any]) -> Callable[[], None]:
     from torch.utils.data import DataLoader
     original = DataLoader.__init__
     signature = inspect.signature(original)
 
-    def init(self, *args, **kwargs):
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         workers = overrides.get("num_workers", bound.arguments.get("num_workers", 0))
         for key, value in overrides.items():
@@ -81,27 +98,55 @@ def _patch_dataloader(overrides: dict):
             bound.arguments[key] = value
         original(*bound.args, **bound.kwargs)
 
-    DataLoader.__init__ = init
+    setattr(DataLoader, "__init__", init)
 
-    def restore():
-        DataLoader.__init__ = original
+    def restore() -> None:
+        setattr(DataLoader, "__init__", original)
     return restore
 
 
-def _compile_first_model(mode: str) -> None:
+def _patch_training_arguments(overrides: dict[str, Any]) -> Callable[[], None]:
+    from transformers import TrainingArguments
+    original = TrainingArguments.__post_init__
+
+    def post_init(self: Any) -> None:
+        workers = overrides.get("dataloader_num_workers", self.dataloader_num_workers)
+        for key, value in overrides.items():
+            if key in ("dataloader_persistent_workers", "dataloader_prefetch_factor") and \
+                    not workers:
+                continue                    # only valid with workers
+            current = getattr(self, key, None)
+            if key == "accelerator_config" and current is not None:
+                if isinstance(current, dict):
+                    value = {**current, **value}
+                elif not isinstance(current, str):   # an AcceleratorConfig: its fields
+                    for k, v in value.items():
+                        setattr(current, k, v)
+                    continue
+            setattr(self, key, value)
+        original(self)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+
+    setattr(TrainingArguments, "__post_init__", post_init)
+
+    def restore() -> None:
+        setattr(TrainingArguments, "__post_init__", original)
+    return restore
+
+
+def _compile_first_model(mode: str) -> Callable[[], None]:
     import torch
     call = torch.nn.Module.__call__
 
-    def first_call(module, *args, **kwargs):
-        torch.nn.Module.__call__ = call
+    def first_call(module: Any, *args: Any, **kwargs: Any) -> Any:
+        setattr(torch.nn.Module, "__call__", call)
         module.compile(mode=None if mode == "default" else mode)
         return call(module, *args, **kwargs)
 
-    torch.nn.Module.__call__ = first_call
+    setattr(torch.nn.Module, "__call__", first_call)
 
-    def restore():
+    def restore() -> None:
         if torch.nn.Module.__call__ is first_call:
-            torch.nn.Module.__call__ = call
+            setattr(torch.nn.Module, "__call__", call)
     return restore
 
 
@@ -110,8 +155,8 @@ def _compile_first_model(mode: str) -> None:
 class Verifier:
     """Fresh measured runs of `script args`, each `warmup` + `steps` unobserved steps."""
 
-    def __init__(self, script: str, args: list, warmup: int, steps: int, pairs: int = 3,
-                 timeout_s: float = 600.0, cwd: str | None = None):
+    def __init__(self, script: str, args: list[str], warmup: int, steps: int, pairs: int = 3,
+                 timeout_s: float = 600.0, cwd: str | None = None) -> None:
         self.script, self.args = script, args
         self.warmup, self.steps, self.pairs = warmup, steps, pairs
         self.timeout_s = timeout_s
@@ -119,7 +164,7 @@ class Verifier:
         self.runs = 0
         self.seconds = 0.0
 
-    def measure(self, settings: dict) -> float | None:
+    def measure(self, settings: dict[str, Any]) -> float | None:
         """One run's steady step (ms) with `settings` applied; None if it measured nothing."""
         with tempfile.TemporaryDirectory(prefix="syncless-verify-") as tmp:
             out = os.path.join(tmp, "m.json")
@@ -137,16 +182,19 @@ class Verifier:
                 self.seconds += perf_counter() - t
             try:
                 with open(out) as f:
-                    return json.load(f).get("plain_step_ms")
+                    ms = json.load(f).get("plain_step_ms")
+                return float(ms) if ms is not None else None
             except (OSError, ValueError):
                 return None
 
-    def paired(self, settings: dict, base: dict | None = None) -> dict | None:
+    def paired(self, settings: dict[str, Any],
+               base: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """`pairs` interleaved pairs (A B, B A, ...) of the baseline and `settings`: the step with
         the fix, the 95% interval of the difference added to the baseline's mean, kept when the
         whole interval is a gain."""
         base = base or {}
-        a_ms, b_ms = [], []
+        a_ms: list[float] = []
+        b_ms: list[float] = []
         for i in range(self.pairs):
             order = [(base, a_ms), (settings, b_ms)]
             for s, into in (order if i % 2 == 0 else order[::-1]):
@@ -159,18 +207,37 @@ class Verifier:
         return {"measured_ms": a + mean, "ci_low_ms": a + low, "ci_high_ms": a + high,
                 "baseline_ms": a, "kept": high < 0, "runs": {"without": a_ms, "with": b_ms}}
 
-    def sweep_workers(self, candidates: list, extra: dict) -> tuple[int | None, dict]:
+    def sweep_workers(self, candidates: list[int], extra: dict[str, Any],
+                      framework: str = "") -> tuple[int | None, dict[int, float]]:
         """Each worker count once (with `extra` loader settings); the fastest and all readings."""
-        seen = {}
+        seen: dict[int, float] = {}
         for k in candidates:
-            ms = self.measure({"loader": {"num_workers": k, **(extra if k else {})}})
+            ms = self.measure(loader_fix(k, extra, framework)[1])
             if ms is not None:
                 seen[k] = ms
-        best = min(seen, key=seen.get) if seen else None
+        best = min(seen, key=lambda k: seen[k]) if seen else None
         return best, seen
 
 
-def worker_candidates(current: int, needed: int | None, cpus: int) -> list:
+def loader_fix(workers: int, extra: dict[str, Any],
+               framework: str = "") -> tuple[str, dict[str, Any]]:
+    """(label, settings) of the loader fix with `workers` workers and the `extra` DataLoader
+    settings (persistent_workers, pin_memory), in the framework's words: an HF Trainer makes its
+    DataLoader from TrainingArguments; anything else, Lightning too, makes its own."""
+    if framework == "transformers":
+        args: dict[str, Any] = {"dataloader_num_workers": workers}
+        if workers and extra.get("persistent_workers"):
+            args["dataloader_persistent_workers"] = True
+        if extra.get("pin_memory"):
+            args["dataloader_pin_memory"] = True
+            args["accelerator_config"] = {"non_blocking": True}
+        label = "TrainingArguments(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+        return label, {"hf": args}
+    loader = {"num_workers": workers, **(extra if workers else {})}
+    return ", ".join(f"{k}={v}" for k, v in loader.items()), {"loader": loader}
+
+
+def worker_candidates(current: int, needed: int | None, cpus: int) -> list[int]:
     """Worker counts to sweep: powers of two up to the CPUs (and the count the model asks for),
     the current count first."""
     top = max(cpus, needed or 0, 1)
@@ -178,12 +245,19 @@ def worker_candidates(current: int, needed: int | None, cpus: int) -> list:
     return sorted(k for k in ks if 0 <= k <= min(top, 64))
 
 
-def setting_fixes(d: Any) -> list:
+Setting = tuple["Finding | None", str, "dict[str, Any] | None"]
+
+
+def setting_fixes(d: Diagnosis) -> list[Setting]:
     """(finding, label, settings) for each fix --verify can apply from outside the code."""
-    out = []
+    out: list[Setting] = []
     for f in d.findings:
         if f.kind == "starvation":
             out.append((f, "loader", None))          # settings chosen by the sweep
+        elif f.kind == "launch-bound" and d.framework == "transformers":
+            out.append((f, 'TrainingArguments(torch_compile=True, torch_compile_mode='
+                        '"reduce-overhead")', {"hf": {"torch_compile": True,
+                                                      "torch_compile_mode": "reduce-overhead"}}))
         elif f.kind == "launch-bound":
             out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"}))
     if d.gpu and d.verdict_kind == "GPU-bound" and any("TF32" in s or "tf32" in s
@@ -192,19 +266,19 @@ def setting_fixes(d: Any) -> list:
     return out
 
 
-def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
+def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) -> list[str]:
     """Measure each setting fix of diagnosis `d`; set each finding's `verified`; returns lines
     for the report."""
-    lines = []
+    lines: list[str] = []
     fixes = setting_fixes(d)
     for finding, label, settings in fixes:
-        if label == "loader":
+        if label == "loader" and finding is not None:
             current = loader.get("num_workers") or 0
             extra = {"persistent_workers": True}
             if d.gpu:
                 extra["pin_memory"] = True
             ks = worker_candidates(current, finding.extra.get("workers_needed"), cpus)
-            best, seen = verifier.sweep_workers(ks, extra)
+            best, seen = verifier.sweep_workers(ks, extra, d.framework)
             sweep = ", ".join(f"{k}: {ms:.2f}" for k, ms in sorted(seen.items()))
             if best is None or best == current:
                 finding.verified = {"measured_ms": seen.get(current), "ci_low_ms": None,
@@ -212,13 +286,14 @@ def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
                 lines.append(f"{finding.title}: the sweep (num_workers: ms/step) {sweep} found "
                              f"no count faster than the current {current}: no loader fix kept")
                 continue
-            settings = {"loader": {"num_workers": best, **extra}}
-            label = f"num_workers={best}" + "".join(f", {k}={v}" for k, v in extra.items())
+            label, settings = loader_fix(best, extra, d.framework)
             result = verifier.paired(settings)
             if result is not None:
                 result["sweep"] = seen
-        else:
+        elif settings is not None:
             result = verifier.paired(settings)
+        else:
+            continue
         if finding is not None:
             finding.verified = result
         if result is None:
@@ -230,7 +305,8 @@ def verify(d: Any, verifier: Verifier, loader: dict, cpus: int) -> list:
             f"[95%: {result['ci_low_ms']:.2f}, {result['ci_high_ms']:.2f}]"
             + (f", predicted {predicted:.2f}" if predicted is not None else "")
             + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
-            + (f"; sweep {sweep}" if label.startswith("num_workers") else ""))
+            + (f"; sweep {sweep}" if finding is not None and finding.kind == "starvation"
+               else ""))
     checked = {id(f) for f, _, _ in fixes}
     for f in d.findings:
         if id(f) not in checked:

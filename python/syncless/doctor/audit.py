@@ -1,4 +1,4 @@
-"""syncless.audit(): every host-device sync in a block, with the user's line and the time it blocked.
+"""syncless.audit(): every host-device sync in a block, with its line and the time it blocked.
 
     with syncless.audit() as a:
         for _ in range(20):
@@ -23,18 +23,22 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import FrameType
+from typing import Any, Callable, TextIO
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .. import _cupti
 from ._frames import Site, outside_syncless, user_site
-from .report import ReportText, render_audit
+from .report import ReportText, audit_repr, render_audit
 
 __all__ = ["audit", "Audit", "SyncSite", "SyncError"]
 
-# Kinds reported by syncless._cupti (kept here so importing this module never loads C code).
-SYNC, COPY, ASYNC_COPY, FREE, SLOW = 1, 2, 3, 4, 5
+# The kinds of call syncless._cupti reports, defined once in csrc/cupti.c. Importing _cupti
+# loads only its own small module: libcupti is opened by load(), at the first audit.
+SYNC, COPY, ASYNC_COPY, FREE, SLOW = (_cupti.SYNC, _cupti.COPY, _cupti.ASYNC_COPY, _cupti.FREE,
+                                      _cupti.SLOW)
 _SYNC_KINDS = (SYNC, COPY, ASYNC_COPY, FREE)
 
 FALLBACK_MISSES = ("torch.cuda.synchronize(), Event.synchronize() and pageable non_blocking "
@@ -49,10 +53,10 @@ class SyncError(RuntimeError):
 class SyncSite:
     """One line of user code that synchronised, aggregated over the block."""
     site: Site
-    what: dict = field(default_factory=dict)    # {"cudaStreamSynchronize": count, ...}
+    what: dict[str, int] = field(default_factory=dict)    # {"cudaStreamSynchronize": count, ...}
     count: int = 0
     blocked_ns: int = 0
-    kinds: set = field(default_factory=set)
+    kinds: set[int] = field(default_factory=set)
 
     @property
     def where(self) -> str:
@@ -65,7 +69,7 @@ class SyncSite:
         return suggest_fix(self.site.code, self.kinds, self.what)
 
 
-def suggest_fix(code: str, kinds: set, what: dict) -> str:
+def suggest_fix(code: str, kinds: set[int], what: dict[str, int]) -> str:
     """The concrete change for one sync site, from the CUDA calls seen and the source line."""
     names = " ".join(what)
     pageable = ("the host tensor is pageable, so the 'async' copy blocks: pin it "
@@ -148,10 +152,6 @@ def _try_cupti() -> tuple[Any, str]:
     """(the _cupti module, "") when CUPTI can be used, else (None, why not)."""
     if torch._C._autograd._profiler_enabled():
         return None, "torch.profiler is active and holds CUPTI"
-    try:
-        from .. import _cupti
-    except ImportError as e:                      # pragma: no cover - built with the package
-        return None, f"syncless._cupti is not built ({e})"
     if not _cupti.loaded():
         try:
             _cupti.load(_cupti_candidates())
@@ -162,7 +162,6 @@ def _try_cupti() -> tuple[Any, str]:
 
 def _stop_at_exit() -> None:
     try:
-        from .. import _cupti
         _cupti.stop()
     except Exception:                             # interpreter teardown: nothing left to do
         pass
@@ -183,22 +182,22 @@ class Audit:
         self.backend = "none"            # "cupti" | "torch-sync-debug" | "none"
         self.reason = ""                 # why not CUPTI (or why nothing can sync)
         self.misses = ""                 # what the backend in use cannot see
-        self.sites: dict[tuple, SyncSite] = {}
-        self.slow: dict[tuple, SyncSite] = {}      # long non-sync calls (allocation, loading)
+        self.sites: dict[tuple[Any, ...], SyncSite] = {}
+        self.slow: dict[tuple[Any, ...], SyncSite] = {}   # long non-sync calls (allocation)
         self.unattributed = 0
         self.kernels = 0
         self.graph_launches = 0
         self.optimizer_steps = 0
-        self.optimizers: list = []
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.elapsed_s = 0.0
-        self._cupti = None
-        self._last = None                # (frame id, f_lasti, SyncSite, kind) of the last event
+        self._cupti: Any = None          # syncless._cupti while it audits
+        # ((frame id, f_lasti), SyncSite, kind) of the last event
+        self._last: tuple[tuple[int, int], SyncSite, int] | None = None
         self._raised = False
-        self._saved_trace = None
-        self._thread = None
-        self._warn_ctx = None
-        self._saved_show = None
-        self._hook = None
+        self._saved_trace: tuple[Any] | None = None   # sys.gettrace() before strict's raise
+        self._thread: int | None = None
+        self._fallback: _SyncDebug | None = None
+        self._hook: Any = None
         self._launch0 = (0, 0)
         self._t0 = 0.0
         self._active = False
@@ -216,23 +215,11 @@ class Audit:
                 "CUDA is not available: work on CPU tensors never waits for a GPU, so there is "
                 "no host-device sync to find")
         else:
-            cupti, why = _try_cupti()
-            if cupti is not None:
-                with _cupti_lock:
-                    try:
-                        cupti.start(self._on_sync, self.copy_threshold_us,
-                                    self.slow_threshold_ms * 1e3)
-                        self._cupti, self.backend = cupti, "cupti"
-                        self._launch0 = cupti.launches()
-                    except RuntimeError as e:
-                        why = str(e)
-            if self._cupti is None:
-                self.backend, self.reason, self.misses = "torch-sync-debug", why, FALLBACK_MISSES
-                self._start_fallback()
+            _start_finder(self)
         self._t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.elapsed_s += time.perf_counter() - self._t0
         self._active = False
         try:
@@ -242,8 +229,9 @@ class Audit:
                 self.graph_launches += g - self._launch0[1]
                 self._cupti.stop()
                 self._cupti = None
-            elif self.backend == "torch-sync-debug":
-                self._stop_fallback()
+            elif self._fallback is not None:
+                self._fallback.stop()
+                self._fallback = None
         finally:
             if self._hook is not None:
                 self._hook.remove()
@@ -252,7 +240,7 @@ class Audit:
                 sys.settrace(self._saved_trace[0])
                 self._saved_trace = None
 
-    def _on_optimizer(self, optimizer, args, kwargs) -> None:
+    def _on_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread:
             return
         self.optimizer_steps += 1
@@ -280,9 +268,10 @@ class Audit:
         self._last = (key, entry, kind)
         if self.strict and not self._raised:
             self._raised = True
-            self._raise_in(frame, site, name)
+            _raise_in(self, frame, site, name)
 
-    def _add(self, table: dict, site: Site, name: str, kind: int, ns: int, new: bool) -> SyncSite:
+    def _add(self, table: dict[tuple[Any, ...], SyncSite], site: Site, name: str, kind: int,
+             ns: int, new: bool) -> SyncSite:
         # Syncs made by library code group by the library line (the user's line is where the
         # framework was entered, the same for all of them).
         lib = site.chain[0] if site.chain else None
@@ -295,56 +284,6 @@ class Audit:
         entry.blocked_ns += ns
         entry.count += new
         return entry
-
-    def _raise_in(self, frame, site: Site, name: str) -> None:
-        """Raise SyncError in the user's frame right after the call that synced returns: a local
-        trace function fires on that frame's next opcode (the CUDA call itself cannot be
-        interrupted from CUPTI)."""
-        message = (f"{name} synchronised with the GPU at {site.where}: `{site.code}` "
-                   f"(inside syncless.audit(strict=True), a no-sync zone)")
-        target = frame
-        while target is not None and (target.f_code.co_filename != site.file
-                                      or target.f_lineno != site.line):
-            target = target.f_back
-        target = target or frame
-
-        def raiser(f, event, arg):
-            if f is target and event in ("opcode", "line", "return"):
-                f.f_trace = None
-                sys.settrace(self._saved_trace[0] if self._saved_trace else None)
-                self._saved_trace = None
-                raise SyncError(message)
-            return raiser if f is target else None
-
-        self._saved_trace = (sys.gettrace(),)
-        target.f_trace_opcodes = True
-        target.f_trace = raiser
-        sys.settrace(lambda f, e, a: None)
-
-    # ---- fallback: torch's sync debug mode ----------------------------------------------------
-
-    def _start_fallback(self) -> None:
-        self._warn_ctx = warnings.catch_warnings()
-        self._warn_ctx.__enter__()
-        warnings.filterwarnings("always", message=r".*synchroniz", category=UserWarning)
-        self._saved_show = warnings.showwarning
-        warnings.showwarning = self._on_warning
-        torch.cuda.set_sync_debug_mode("error" if self.strict else "warn")
-
-    def _stop_fallback(self) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = self._saved_show
-        self._warn_ctx.__exit__(None, None, None)
-        self._warn_ctx = None
-
-    def _on_warning(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message) or threading.get_ident() != self._thread:
-            return self._saved_show(message, category, filename, lineno, file, line)
-        site = user_site(sys._getframe(1))
-        if site is None:
-            return None
-        self._add(self.sites, site, "torch sync debug warning", SYNC, 0, True)
-        return None
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -365,18 +304,7 @@ class Audit:
         return ReportText(render_audit(self))
 
     def __repr__(self) -> str:
-        finder = {"cupti": "CUPTI", "torch-sync-debug": "torch sync-debug mode"}.get(
-            self.backend, "no sync finder")
-        if self._active:
-            return f"<syncless.Audit: running ({finder})>"
-        if not self.elapsed_s:
-            return "<syncless.Audit: not run yet (with syncless.audit() as a: ...)>"
-        n = sum(s.count for s in self.sites.values())
-        text = (f"<syncless.Audit: {self.step_count} step(s), {self.syncs_per_step():g} "
-                f"sync(s)/step ({n} at {len(self.sites)} line(s))")
-        if self.backend == "cupti":
-            text += f", {self.blocked_ms_per_step():.3f} ms blocked/step"
-        return f"{text} ({finder})>"
+        return audit_repr(self, self._active)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         """IPython shows a finished audit as its report; one running or not run yet as repr()."""
@@ -384,6 +312,83 @@ class Audit:
 
     def _repr_html_(self) -> str | None:
         return None if self._active or not self.elapsed_s else self.report()._repr_html_()
+
+
+def _start_finder(a: Audit) -> None:
+    """CUPTI's callbacks where they subscribe, else torch's sync debug mode."""
+    cupti, why = _try_cupti()
+    if cupti is not None:
+        with _cupti_lock:
+            try:
+                cupti.start(a._on_sync, a.copy_threshold_us, a.slow_threshold_ms * 1e3)
+                a._cupti, a.backend = cupti, "cupti"
+                a._launch0 = cupti.launches()
+            except RuntimeError as e:
+                why = str(e)
+    if a._cupti is None:
+        a.backend, a.reason, a.misses = "torch-sync-debug", why, FALLBACK_MISSES
+        a._fallback = _SyncDebug(a)
+        a._fallback.start()
+
+
+def _raise_in(a: Audit, frame: FrameType, site: Site, name: str) -> None:
+    """Raise SyncError in the user's frame right after the call that synced returns: a local
+    trace function fires on that frame's next opcode (the CUDA call itself cannot be interrupted
+    from CUPTI)."""
+    message = (f"{name} synchronised with the GPU at {site.where}: `{site.code}` "
+               f"(inside syncless.audit(strict=True), a no-sync zone)")
+    found: FrameType | None = frame
+    while found is not None and (found.f_code.co_filename != site.file
+                                 or found.f_lineno != site.line):
+        found = found.f_back
+    target = found or frame
+
+    def raiser(f: FrameType, event: str, arg: Any) -> Any:
+        if f is target and event in ("opcode", "line", "return"):
+            f.f_trace = None
+            sys.settrace(a._saved_trace[0] if a._saved_trace else None)
+            a._saved_trace = None
+            raise SyncError(message)
+        return raiser if f is target else None
+
+    a._saved_trace = (sys.gettrace(),)
+    target.f_trace_opcodes = True
+    target.f_trace = raiser
+    sys.settrace(lambda f, e, arg: None)
+
+
+class _SyncDebug:
+    """The fallback: torch's sync debug mode, whose warnings on the audited thread are its
+    syncs (no time blocked, and some syncs unseen: FALLBACK_MISSES)."""
+
+    def __init__(self, a: Audit) -> None:
+        self.a = a
+        self._ctx: warnings.catch_warnings[Any] | None = None
+        self._saved_show: Any = None
+
+    def start(self) -> None:
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("always", message=r".*synchroniz", category=UserWarning)
+        self._saved_show = warnings.showwarning
+        warnings.showwarning = self._on_warning
+        torch.cuda.set_sync_debug_mode("error" if self.a.strict else "warn")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._saved_show
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def _on_warning(self, message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+        if "synchroniz" not in str(message) or threading.get_ident() != self.a._thread:
+            self._saved_show(message, category, filename, lineno, file, line)
+            return
+        site = user_site(sys._getframe(1))
+        if site is not None:
+            self.a._add(self.a.sites, site, "torch sync debug warning", SYNC, 0, True)
 
 
 def audit(fn: Callable[[], Any] | None = None, steps: int | None = None, *,

@@ -1,45 +1,29 @@
-"""syncless.doctor(): run a training step under the monitor, then the audit, then a GPU probe,
-and print one report ranking what costs time with the change that removes it.
-
-Phases (each after `warmup` unmeasured steps, so lazy module loading, cuDNN autotuning and
-allocator growth are not blamed on the loop):
-  1. monitor   `steps` steps: data wait, CPU time, GPU time per step; the device is drained
-               before and after, so wall time / steps is the real step time.
-  2. audit     a few steps under CUPTI: every sync with its line and blocked time, kernels/step.
-  3. probe     (CUDA) a few steps queued behind a GPU sleep kernel, so the step's kernels run
-               back to back: the GPU time the step really needs, without launch gaps.
-  4. kernels   (CUDA, or trace=path) 3 steps under torch.profiler: the kernels' GPU time (the
-               GPU work figure when the step syncs), the host's time blocked in syncs and the GPU
-               idle they cause, and, with trace=, a Perfetto trace.
-The monitor phase also samples the training thread's stack (every 2 ms) for the host time's lines
-(and the time the monitored steps spend at the audited sync lines)."""
+"""The doctor's verdict: assess() turns what the phases measured (a Measured) into a Diagnosis
+that ranks what costs time with the change that removes it; and the GPU-side measurements the
+phases take: the queue-full probe (QueueProbe), the launch cost, the kernel trace's reading
+(trace_gpu). The phases themselves are _phases.py; syncless.doctor() is _api.py."""
 from __future__ import annotations
 
 import bisect
-import math
-import contextlib
 import json
-import os
+import math
 import statistics
-import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
-from time import perf_counter, thread_time
-from typing import Any, Callable, Iterable, TextIO
+from time import perf_counter
+from typing import Any, Iterable
 
 import torch
 
-from ._boundary import Boundaries
-from ._loader import timed_dataloaders
-from ._sampler import StackSampler
-from .audit import ASYNC_COPY, Audit
+from ._sampler import Line, StackSampler
+from ._series import Stalls
+from .audit import ASYNC_COPY, COPY, SYNC, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
-from .monitor import MonitorSummary, StepMonitor
+from .monitor import MonitorSummary
 from .report import ReportText, render_doctor
 
-__all__ = ["doctor", "Diagnosis", "assess", "QueueProbe", "timed_dataloaders"]
+__all__ = ["Diagnosis", "Measured", "assess", "QueueProbe", "KernelTime", "trace_gpu"]
 
 
 @dataclass(repr=False)
@@ -64,31 +48,32 @@ class Diagnosis:
     host_leads: bool = False           # without its syncs the host is well ahead of the GPU
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
-    cpu_split: dict = field(default_factory=dict)
+    cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
-    findings: list = field(default_factory=list)
-    minor: list = field(default_factory=list)
-    minor_notes: list = field(default_factory=list)
+    framework: str = ""                # the loop's: "transformers", "lightning", ... or ""
+    findings: list[Finding] = field(default_factory=list)
+    minor: list[Finding] = field(default_factory=list)
+    minor_notes: list[str] = field(default_factory=list)
     verdict: str = ""
     verdict_kind: str = ""             # "GPU-bound" | "CPU-bound" | "data-bound"
     headroom: str = ""
     headroom_ms: float = 0.0
-    speedups: list = field(default_factory=list)
-    settings: list = field(default_factory=list)
-    lines: list = field(default_factory=list)
+    speedups: list[str] = field(default_factory=list)
+    settings: list[str] = field(default_factory=list)
+    lines: list[Line] = field(default_factory=list)
     samples: int = 0
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     trace: str | None = None
-    kernel_time: Any = None            # the trace's KernelTime, as read
+    kernel_time: KernelTime | None = None   # the trace's figures, as read
     plain_step_ms: float | None = None  # the steady step timed unobserved (boundaries only)
     plain_steps: int = 0
     overhead: float | None = None      # step_ms / plain_step_ms: how much observing slowed it
-    periodic: list = field(default_factory=list)   # [_series.Stalls]: work apart from the step
+    periodic: list[Stalls] = field(default_factory=list)   # work apart from the step
     provisional: bool = False
     provisional_why: str = ""
-    verify_lines: list = field(default_factory=list)   # --verify's measurements, for the report
-    verify_runs: tuple = (0, 0.0)                      # (runs, seconds) --verify took
+    verify_lines: list[str] = field(default_factory=list)   # --verify's lines, for the report
+    verify_runs: tuple[int, float] = (0, 0.0)          # (runs, seconds) --verify took
     _sampled: Any = None               # the sampler's counts by (file, line, via)
     _printed: bool = field(default=False, compare=False)   # doctor() printed the report
 
@@ -120,12 +105,12 @@ class Diagnosis:
     def finding(self, kind: str) -> Finding | None:
         return next((f for f in self.findings + self.minor if f.kind == kind), None)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The numbers and findings as plain data (`python -m syncless doctor --json PATH`)."""
         top = self.findings[0] if self.findings else None
         return {
             "verdict": self.verdict_kind, "verdict_text": self.verdict,
-            "headroom_ms": self.headroom_ms,
+            "headroom_ms": self.headroom_ms, "framework": self.framework,
             "boundary": self.boundary, "steps": self.summary.steps, "step_ms": self.step_ms,
             "plain_step_ms": self.plain_step_ms, "plain_steps": self.plain_steps,
             "overhead": self.overhead, "warmup_steps": self.warmup,
@@ -153,19 +138,14 @@ class Diagnosis:
                         for k, n in self._sampled.most_common(25) if k] if self.samples else [],
         }
 
-def _cycle(loader: Iterable):
-    while True:
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("doctor(): the loader yielded no batches")
+# torch.cuda._sleep and torch.cuda.Event carry no annotations in torch: typed once here.
+def _gpu_sleep(cycles: int) -> None:
+    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
 
 
-def _sync(gpu: bool) -> None:
-    if gpu:
-        torch.cuda.synchronize()
+def _timing_event() -> torch.cuda.Event:
+    event: torch.cuda.Event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    return event
 
 
 def covered(host_ms: float, cover_ms: float) -> bool:
@@ -181,37 +161,41 @@ class QueueProbe:
     sleep kernel long enough to cover its CPU time (twice over, plus 2 ms, at most 500 ms) and
     timed from the sleep's end. begin() and end() go around a step, on the current stream."""
 
-    def __init__(self, host_ms: float):
+    def __init__(self, host_ms: float) -> None:
         self.cover_ms = min(500.0, 2.0 * host_ms + 2.0)
         self._cycles_per_ms: float | None = None
-        self._start = None
+        self._start: torch.cuda.Event | None = None
         self._host_t0 = 0.0
-        self._pairs: list = []
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.uncovered = 0           # steps whose host time outlasted the sleep: not timed
 
     @staticmethod
     def _calibrate() -> float:
-        # The sleep kernel counts clock cycles; one synchronized run converts them to ms.
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # The sleep kernel counts clock cycles; a synchronized run converts them to ms. Its first
+        # call loads the kernel's module, which inflates the time measured (a "20 ms" sleep
+        # calibrated on it ran 0.6 ms on an H200): warm it first, then time 10M cycles.
+        _gpu_sleep(1000)
         torch.cuda.synchronize()
+        start, end = _timing_event(), _timing_event()
         start.record()
-        torch.cuda._sleep(1_000_000)
+        _gpu_sleep(10_000_000)
         end.record()
         end.synchronize()
-        return 1_000_000 / max(start.elapsed_time(end), 1e-3)
+        ms: float = start.elapsed_time(end)
+        return 10_000_000 / max(ms, 1e-3)
 
     def begin(self) -> None:
         if self._cycles_per_ms is None:
             self._cycles_per_ms = self._calibrate()
-        torch.cuda._sleep(int(self._cycles_per_ms * self.cover_ms))
-        self._start = torch.cuda.Event(enable_timing=True)
+        _gpu_sleep(int(self._cycles_per_ms * self.cover_ms))
+        self._start = _timing_event()
         self._start.record()
         self._host_t0 = perf_counter()
 
     def end(self) -> None:
         if self._start is None:
             return
-        end = torch.cuda.Event(enable_timing=True)
+        end = _timing_event()
         end.record()
         if covered((perf_counter() - self._host_t0) * 1e3, self.cover_ms):
             self._pairs.append((self._start, end))
@@ -229,22 +213,10 @@ class QueueProbe:
         if not self._pairs:
             return None
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in self._pairs)
+        return float(statistics.median(s.elapsed_time(e) for s, e in self._pairs))
 
 
-def _probe_gpu(step: Callable[[], None], fetch: Callable[[], Any], host_ms: float,
-               n: int) -> float:
-    probe = QueueProbe(host_ms)
-    for _ in range(n):
-        batch = fetch()
-        torch.cuda.synchronize()
-        probe.begin()
-        step(batch)
-        probe.end()
-    return probe.median_ms()
-
-
-def profiler(gpu: bool, cpu: bool = True):
+def profiler(gpu: bool, cpu: bool = True) -> "_Quiet":
     """A torch.profiler.profile of the CPU ops (`cpu`), and of the GPU kernels and CUDA calls
     when `gpu` (CUDA alone adds little host time: no op is recorded on the CPU side)."""
     from torch.profiler import ProfilerActivity, profile
@@ -257,16 +229,16 @@ class _Quiet:
     each cycle" (torch 2.11 says it for a second profile in a process; the doctor reads each
     profile on its own)."""
 
-    def __init__(self, prof):
+    def __init__(self, prof: Any) -> None:
         self.prof = prof
 
-    def __enter__(self):
+    def __enter__(self) -> Any:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events")
             self.prof.__enter__()
         return self.prof
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Any:
         return self.prof.__exit__(*exc)
 
     def export_chrome_trace(self, path: str) -> None:
@@ -311,8 +283,9 @@ class KernelTime:
     queued_gap_ms: float | None = None  # gaps > gap_us before an op that was already queued
     launch_wait_ms: float | None = None  # gaps before an op launched after the GPU was free
     queued_ops: float | None = None    # share of the ops queued LEAD_US before the GPU got free
-    blocked_threads: dict = field(default_factory=dict)   # tid -> blocked ms/step
-    calls: dict = field(default_factory=dict)     # runtime call -> [per step, mean µs]
+    blocked_threads: dict[str, float] = field(default_factory=dict)   # tid -> blocked ms/step
+    # runtime call -> [per step, mean µs]
+    calls: dict[str, list[float]] = field(default_factory=dict)
 
 
 LEAD_US = 10.0     # a kernel launched this long before the GPU got to it: the host is ahead
@@ -349,7 +322,7 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
                    if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name"))
                    and "Pageable" in str(e.get("name"))}
     to_pageable.discard(None)
-    launched = {}
+    launched: dict[Any, float] = {}
     waits = []
     for e in runtime:
         c = (e.get("args") or {}).get("correlation")
@@ -405,15 +378,15 @@ def trace_gpu(path: str, steps: int, gap_us: float = 3.0) -> KernelTime | None:
             else:
                 launch_wait += s - end
         end = max(end, e)
-    threads: dict = {}
+    threads: dict[Any, float] = {}
     for e in waits:
         threads[e.get("tid")] = threads.get(e.get("tid"), 0.0) + float(e["dur"]) / per
-    calls: dict = {}                  # runtime call name -> [count/step, mean µs]
+    seen: dict[str, list[float]] = {}          # runtime call name -> [count, total µs]
     for e in runtime:
-        c = calls.setdefault(e.get("name"), [0, 0.0])
+        c = seen.setdefault(e.get("name"), [0, 0.0])
         c[0] += 1
         c[1] += float(e["dur"])
-    calls = {k: [n / steps, t / n] for k, (n, t) in calls.items()}
+    calls = {k: [n / steps, t / n] for k, (n, t) in seen.items()}   # [count/step, mean µs]
     return KernelTime(busy / per, bubble / per, points / steps, blocked / per, idle / per,
                       queued_gap / per, launch_wait / per, queued / max(1, len(ops) - 1),
                       {str(k): v for k, v in threads.items()}, calls)
@@ -426,7 +399,7 @@ def _autocast_on() -> bool:
         return torch.is_autocast_enabled()
 
 
-def _model_info(model: Any, autocast: bool | None) -> tuple[list, list, bool]:
+def _model_info(model: Any, autocast: bool | None) -> tuple[list[str], list[str], bool]:
     """(settings read, GPU-side speedups not yet on, compiled) for the outermost module."""
     if model is None:
         return [], [], False
@@ -458,151 +431,217 @@ def _optimizer_setting(opt: Any) -> str:
     return f"{type(opt).__name__}({', '.join(keys)})"
 
 
-def _loader_setting(s: dict) -> str:
+def _loader_setting(s: dict[str, Any]) -> str:
     keys = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
     return "DataLoader(" + ", ".join(f"{k}={s.get(k)}" for k in keys) + ")"
 
 
-def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, gpu: bool,
-           gpu_span_ms: float | None = None, gpu_pure_ms: float | None = None,
-           probe_steps: int = 0, notes: Iterable[str] = (), *,
-           kernel_time: KernelTime | None = None, launch_us: float | None = None,
-           sampler: Any = None, boundary: str = "", optimizer_ms: float | None = None,
-           model: Any = None, autocast: bool | None = None) -> Diagnosis:
+@dataclass
+class Measured:
+    """What the doctor's phases measured: the input of assess(). None: not measured."""
+    summary: MonitorSummary
+    audit: Audit
+    warmup: int
+    step_ms: float                          # the real wall time per step
+    gpu: bool
+    gpu_span_ms: float | None = None        # the monitor's GPU event span per step
+    gpu_pure_ms: float | None = None        # the probe's queue-full GPU time
+    probe_steps: int = 0
+    notes: Iterable[str] = ()               # first in the report's notes
+    kernel_time: KernelTime | None = None   # the trace's figures
+    launch_us: float | None = None          # host cost of one small op's launch
+    sampler: StackSampler | None = None     # the monitored steps' stack samples
+    boundary: str = ""                      # what ends a step, in words
+    optimizer_ms: float | None = None       # optimizer.step() host time per step
+    model: Any = None                       # the outermost module called
+    autocast: bool | None = None            # autocast on at its call
+
+    @property
+    def cupti(self) -> bool:
+        return self.audit.backend == "cupti"
+
+    def sampled(self) -> StackSampler | None:
+        """The sampler, when it took samples."""
+        return self.sampler if self.sampler is not None and self.sampler.total else None
+
+
+def assess(m: Measured) -> Diagnosis:
     """The verdict, the headroom and the findings ranked by what their fix wins back, from the
     measurements: the monitor's summary, the finished audit, the real step time, the GPU span per
-    step the monitor read, the probe's queue-full GPU time and the trace's kernel time (None: not
-    measured). `notes` come first in the report's notes."""
-    d = Diagnosis(summary, audit, warmup, step_ms, gpu, notes=list(notes), boundary=boundary)
-    cupti = audit.backend == "cupti"
-    audit_ms = audit.blocked_ms_per_step() if cupti else 0.0
-    if cupti:
-        d.kernels = audit.kernels / audit.step_count
-    d.launch_us = launch_us
-    d.gpu_busy_ms = gpu_span_ms or 0.0
-    d.probe_steps = probe_steps if gpu_pure_ms is not None else 0
-    gpu_trace_ms = kernel_time.busy_ms if kernel_time else None
-    d.gpu_pure_ms, d.gpu_trace_ms = gpu_pure_ms, gpu_trace_ms
-    d.sync_bubble_ms = kernel_time.sync_bubble_ms if kernel_time else None
-    d.sync_idle_ms = kernel_time.sync_idle_ms if kernel_time else None
-    d.sync_count = kernel_time.syncs if kernel_time else None
-    d.kernel_time = kernel_time
-    step = step_ms
-    # The time the host spends blocked in syncs. The trace's figure is the one to trust: the
-    # audit's CUPTI callbacks slow every CUDA call down, so by the time the audited host reaches
-    # a sync the GPU has often caught up (a Lightning step blocked 0.015 ms/step under the audit
-    # and ~2 ms/step without it).
+    step the monitor read, the probe's queue-full GPU time and the trace's kernel time."""
+    d = _figures(m)
+    every_step = _sync_time(d, m)
+    syncs_matter = d.sync_ms >= 0.01 * m.step_ms
+    if m.gpu:
+        _gpu_work(d, m, every_step)
+    _sync_cost(d, m, every_step, syncs_matter)
+    _cpu_split(d, m)
+    optimizers = list(m.audit.optimizers)
+    model_settings, speedups, compiled = _model_info(m.model, m.autocast)
+    _rank(d, m, every_step, optimizers, compiled)
+    _verdict(d, m, speedups)
+    # What was read and not prescribed.
+    d.settings = [_optimizer_setting(o) for o in optimizers]
+    if not optimizers and m.boundary and "optimizer" not in m.boundary:
+        d.settings.append("no torch optimizer (parameters updated by hand, or inference)")
+    if m.summary.loader:
+        d.settings.append(_loader_setting(m.summary.loader))
+    d.settings += model_settings
+    if every_step and m.gpu_pure_ms is not None and d.gpu_trace_ms is None:
+        d.notes.append("the step syncs, so the queue-full GPU time includes the host's time "
+                       "after each sync; fix the syncs first, then run the doctor again for the "
+                       "launch-bound verdict")
+    elif m.cupti and m.audit.sites and not syncs_matter and m.gpu_pure_ms is not None:
+        d.minor_notes.append(f"the step syncs, but the waits take {d.sync_ms:.3f} ms/step")
+    return d
+
+
+def _figures(m: Measured) -> Diagnosis:
+    """The Diagnosis with the measured figures copied in."""
+    d = Diagnosis(m.summary, m.audit, m.warmup, m.step_ms, m.gpu, notes=list(m.notes),
+                  boundary=m.boundary)
+    if m.cupti:
+        d.kernels = m.audit.kernels / m.audit.step_count
+    d.launch_us = m.launch_us
+    d.gpu_busy_ms = m.gpu_span_ms or 0.0
+    d.probe_steps = m.probe_steps if m.gpu_pure_ms is not None else 0
+    kt = m.kernel_time
+    d.gpu_pure_ms, d.gpu_trace_ms = m.gpu_pure_ms, kt.busy_ms if kt else None
+    d.sync_bubble_ms = kt.sync_bubble_ms if kt else None
+    d.sync_idle_ms = kt.sync_idle_ms if kt else None
+    d.sync_count = kt.syncs if kt else None
+    d.kernel_time = kt
+    sampler = m.sampled()
+    if sampler is not None:
+        d.samples, d.lines = sampler.total, sampler.top()
+        d._sampled = sampler.counts
+    return d
+
+
+def _sync_time(d: Diagnosis, m: Measured) -> bool:
+    """Set the host's time blocked in syncs per step (d.sync_ms, and its source); returns whether
+    a sync comes every step."""
+    audit, kernel_time, sampler = m.audit, m.kernel_time, m.sampled()
+    # The trace's figure is the one to trust: the audit's CUPTI callbacks slow every CUDA call
+    # down, so by the time the audited host reaches a sync the GPU has often caught up (a
+    # Lightning step blocked 0.015 ms/step under the audit and ~2 ms/step without it).
     # The trace and the audit both slow the host down (less so the trace), so by the time the
     # host reaches a sync there the GPU has caught up further than in the monitored steps: the
     # stack samples of the monitored steps at the audited sync lines are the third figure, and
     # the largest of the three the closest (each reads low, none high but by sampling noise).
-    sources = [(audit_ms, "audit")] if cupti else []
+    sources = [(audit.blocked_ms_per_step(), "audit")] if m.cupti else []
     if kernel_time is not None and kernel_time.blocked_ms is not None:
         sources.append((kernel_time.blocked_ms, "kernel trace"))
-    if cupti and sampler is not None and sampler.total and audit.sites:
+    if m.cupti and sampler is not None and audit.sites:
         keys = {(x.site.file, x.site.line, x.site.via) for x in audit.sites.values()
                 if not (x.kinds == {ASYNC_COPY} and x.count < audit.step_count)}
         hits = sum(n for k, n in sampler.counts.items() if k in keys)
-        sources.append((step * hits / sampler.total, "stack samples"))
+        sources.append((m.step_ms * hits / sampler.total, "stack samples"))
     d.sync_ms, d.sync_ms_source = max(sources, default=(0.0, ""), key=lambda v: v[0])
-
-    # The GPU work a step needs. The probe runs the step's kernels back to back, with the GPU's
-    # own gaps between them (as a CUDA graph replays them), but a sync inside the step empties
-    # the queue and the host's time after it counts too (a Lightning step with one read 18.0 ms
-    # queue-full against 16.5 ms of kernels): with a sync every step the trace's kernel time is
-    # the one to trust, however little the sync blocks. On a GPU busy through the whole step
-    # (the event span fills it, the probe within 20%) the span is the better figure: the probe,
-    # taken after an idle sleep, read up to 11% low on an H200 (clocks), which would promise
-    # gains that are not there.
     per_step = sum(s.count for s in audit.sites.values() if s.kinds != {ASYNC_COPY}) / \
-        audit.step_count if cupti else 0.0
+        audit.step_count if m.cupti else 0.0
     traced_syncs = kernel_time.syncs if kernel_time is not None and \
         kernel_time.sync_bubble_ms is not None else None
-    every_step = per_step >= 1 or (traced_syncs is not None and traced_syncs >= 1)
-    syncs_matter = d.sync_ms >= 0.01 * step
-    if gpu:
-        order = ((gpu_trace_ms, "kernel trace"), (gpu_pure_ms, "queue full"))
-        if not every_step:
-            order = order[::-1]
-        d.gpu_work_ms, d.gpu_work_source = next(((v, k) for v, k in order if v is not None),
-                                                (None, ""))
-        # A GPU whose queue never ran dry in the trace (its waits for launches, after syncs and
-        # between steps, under SATURATED of the step) is what the step waits for: the step is
-        # its work. Kernel sums and the probe read 1-7% under such steps (an H200: a Lightning
-        # step of 30.18 ms against 29.97 ms of kernels, a graph replay of 2.11 against 2.04), and
-        # taking them would leave the host "slower" by the difference, whose every data wait and
-        # sync would then seem to cost the step. The GPU's own gaps between queued kernels add
-        # nothing (0.004-0.009 ms/step over ~400 kernels there): idle beyond the kernels is the
-        # GPU waiting for the host. Without the trace's launch times, a GPU busy through the
-        # whole step (the event span fills it, the kernels within 20%) stands in.
-        wait = kernel_time.launch_wait_ms if kernel_time is not None else None
-        if d.gpu_work_ms is not None and step > 0 and wait is not None and \
-                wait <= SATURATED * step and d.gpu_work_ms >= 0.8 * step:
-            d.gpu_work_ms, d.gpu_work_source = step, "queue never ran dry"
-        elif d.gpu_work_ms is not None and wait is None and gpu_span_ms and step > 0 and \
-                d.gpu_work_ms >= 0.8 * step and gpu_span_ms >= 0.9 * step and \
-                not every_step and summary.data_ms < 0.05 * step and \
-                gpu_span_ms > d.gpu_work_ms:
-            d.gpu_work_ms, d.gpu_work_source = min(gpu_span_ms, step), "busy all step"
-    G = d.gpu_work_ms
+    return per_step >= 1 or (traced_syncs is not None and traced_syncs >= 1)
 
+
+def _gpu_work(d: Diagnosis, m: Measured, every_step: bool) -> None:
+    """Set the GPU work a step needs (d.gpu_work_ms, and its source)."""
+    # The probe runs the step's kernels back to back, with the GPU's own gaps between them (as
+    # a CUDA graph replays them), but a sync inside the step empties the queue and the host's
+    # time after it counts too (a Lightning step with one read 18.0 ms queue-full against
+    # 16.5 ms of kernels): with a sync every step the trace's kernel time is the one to trust,
+    # however little the sync blocks. On a GPU busy through the whole step (the event span
+    # fills it, the probe within 20%) the span is the better figure: the probe, taken after an
+    # idle sleep, read up to 11% low on an H200 (clocks), which would promise gains that are
+    # not there.
+    step, span = m.step_ms, m.gpu_span_ms
+    order = ((d.gpu_trace_ms, "kernel trace"), (m.gpu_pure_ms, "queue full"))
+    if not every_step:
+        order = order[::-1]
+    d.gpu_work_ms, d.gpu_work_source = next(((v, k) for v, k in order if v is not None),
+                                            (None, ""))
+    # A GPU whose queue never ran dry in the trace (its waits for launches, after syncs and
+    # between steps, under SATURATED of the step) is what the step waits for: the step is its
+    # work. Kernel sums and the probe read 1-7% under such steps (an H200: a Lightning step of
+    # 30.18 ms against 29.97 ms of kernels, a graph replay of 2.11 against 2.04), and taking
+    # them would leave the host "slower" by the difference, whose every data wait and sync
+    # would then seem to cost the step. The GPU's own gaps between queued kernels add nothing
+    # (0.004-0.009 ms/step over ~400 kernels there): idle beyond the kernels is the GPU waiting
+    # for the host. Without the trace's launch times, a GPU busy through the whole step (the
+    # event span fills it, the kernels within 20%) stands in.
+    wait = m.kernel_time.launch_wait_ms if m.kernel_time is not None else None
+    if d.gpu_work_ms is None or step <= 0 or d.gpu_work_ms < 0.8 * step:
+        return
+    if wait is not None and wait <= SATURATED * step:
+        d.gpu_work_ms, d.gpu_work_source = step, "queue never ran dry"
+    elif wait is None and span and span >= 0.9 * step and not every_step and \
+            m.summary.data_ms < 0.05 * step and span > d.gpu_work_ms:
+        d.gpu_work_ms, d.gpu_work_source = min(span, step), "busy all step"
+
+
+def _sync_cost(d: Diagnosis, m: Measured, every_step: bool, syncs_matter: bool) -> None:
+    """Set the host's own time per step and what removing every sync wins back."""
     # The host's own time per step: the step less the time blocked in syncs (data wait in).
     # Without its syncs the host runs ahead of the GPU and the step takes max(host, G); a sync
-    # costs the rest: at most the time it blocks (the host still does its own work), at most the
-    # GPU idle of the step, and at most the GPU idle the trace sees it cause (from its return
-    # until the host leads the GPU again).
+    # costs the rest: at most the time it blocks (the host still does its own work), at most
+    # the GPU idle of the step, and at most the GPU idle the trace sees it cause (from its
+    # return until the host leads the GPU again).
     # With the host's own work well under the GPU's and a sync every step, the step's GPU idle
     # is the syncs' (findings.py says why the trace's sync idle does not bound it then).
-    host_ms = max(0.0, step - d.sync_ms)
+    G = d.gpu_work_ms
+    host_ms = max(0.0, m.step_ms - d.sync_ms)
     d.host_ms = host_ms
-    sync_cost = min(d.sync_ms, max(0.0, step - (G or 0.0)))
-    d.host_leads = bool(gpu and G and every_step and syncs_matter and host_ms <= LEADS * G)
-    if kernel_time is not None and not d.host_leads:
-        caused = kernel_time.sync_idle_ms if kernel_time.sync_idle_ms is not None else \
-            kernel_time.sync_bubble_ms
+    sync_cost = min(d.sync_ms, max(0.0, m.step_ms - (G or 0.0)))
+    d.host_leads = bool(m.gpu and G and every_step and syncs_matter and host_ms <= LEADS * G)
+    kt = m.kernel_time
+    if kt is not None and not d.host_leads:
+        caused = kt.sync_idle_ms if kt.sync_idle_ms is not None else kt.sync_bubble_ms
         if caused is not None:
             sync_cost = min(sync_cost, caused)
     d.sync_cost_ms = sync_cost
 
-    # Where the body's CPU time goes: launches (kernels x the launch cost measured here), syncs,
-    # and the rest (Python, the framework, host-side data work).
-    body = summary.cpu_ms
+
+def _cpu_split(d: Diagnosis, m: Measured) -> None:
+    """Where the body's CPU time goes: launches (kernels x the launch cost measured here),
+    syncs, and the rest (Python, the framework, host-side data work)."""
+    body = m.summary.cpu_ms
     blocked_in_body = min(d.sync_ms, body)
-    if gpu and d.kernels is not None and launch_us:
-        launches = min(d.kernels * launch_us / 1e3, max(0.0, body - blocked_in_body))
+    if m.gpu and d.kernels is not None and m.launch_us:
+        launches = min(d.kernels * m.launch_us / 1e3, max(0.0, body - blocked_in_body))
         d.cpu_split = {"launches_ms": launches, "syncs_ms": blocked_in_body,
                        "rest_ms": max(0.0, body - blocked_in_body - launches)}
-    if sampler is not None and sampler.total:
-        d.samples, d.lines = sampler.total, sampler.top()
-        d._sampled = sampler.counts
 
-    # Findings.
-    findings = []
+
+def _rank(d: Diagnosis, m: Measured, every_step: bool, optimizers: list[Any],
+          compiled: bool) -> None:
+    """The findings, ranked by what their fix wins back; the minor ones apart."""
+    summary, audit, step, G = m.summary, m.audit, m.step_ms, d.gpu_work_ms
+    findings: list[Finding] = []
     copy_ms = sum(s.blocked_ns / 1e6 / audit.step_count for s in audit.sites.values()
-                  if cupti and not s.site.chain and s.kinds & {2, 3, 1}
+                  if m.cupti and not s.site.chain and s.kinds & {COPY, ASYNC_COPY, SYNC}
                   and (".to(" in s.site.code or ".cuda(" in s.site.code))
     # A CPU loop's ops run on torch's intra-op threads, which take CPUs a worker would need
     # (2 cores: one worker took a CPU from torch, and the loop fell from 300-396 to 166-191 it/s).
-    f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=gpu, copy_ms=copy_ms,
-                           data_cpu=summary.data_cpu, host_ms=host_ms,
-                           trainer_cpus=1 if gpu else torch.get_num_threads())
+    f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=m.gpu, copy_ms=copy_ms,
+                           data_cpu=summary.data_cpu, host_ms=d.host_ms,
+                           trainer_cpus=1 if m.gpu else torch.get_num_threads())
     if f:
         findings.append(f)
-    enqueue_ms = max(0.0, body - blocked_in_body)
-    findings += sync_findings(audit, step, G, sync_cost,
-                              sampler.counts if sampler is not None and sampler.total else None,
+    sampler = m.sampled()
+    findings += sync_findings(audit, step, G, d.sync_cost_ms,
+                              sampler.counts if sampler is not None else None,
                               by_count=d.host_leads)
-    optimizers = list(audit.optimizers)
-    model_settings, speedups, compiled = _model_info(model, autocast)
     # A CUDA graph replays the kernels with less time between them than stream launches leave
     # even with the queue full (the probe): on the H200, replays of 100-400 kernels ran 0.3-0.7 µs
     # per kernel beyond their kernel time.
     graph_ms = G
-    if gpu_trace_ms is not None and d.kernels:
-        graph_ms = min(G or math.inf, gpu_trace_ms + d.kernels * GRAPH_GAP_US / 1e3)
-    f = launch_finding(enqueue_ms, G, d.kernels, step, summary.data_ms, launch_us, optimizers,
-                       optimizer_ms, compiled, graph_ms, host_ms,
-                       every_step and d.sync_ms > 0) if gpu else None
+    if d.gpu_trace_ms is not None and d.kernels:
+        graph_ms = min(G or math.inf, d.gpu_trace_ms + d.kernels * GRAPH_GAP_US / 1e3)
+    enqueue_ms = max(0.0, summary.cpu_ms - min(d.sync_ms, summary.cpu_ms))
+    f = launch_finding(enqueue_ms, G, d.kernels, step, summary.data_ms, m.launch_us, optimizers,
+                       m.optimizer_ms, compiled, graph_ms, d.host_ms,
+                       every_step and d.sync_ms > 0) if m.gpu else None
     if f:
         findings.append(f)
     for f in findings:
@@ -611,156 +650,48 @@ def assess(summary: MonitorSummary, audit: Audit, warmup: int, step_ms: float, g
     d.findings = [f for f in findings if not is_minor(f, step)]
     d.minor = [f for f in findings if is_minor(f, step)]
 
-    # Verdict and headroom.
+
+_WHY_CPU = {"launch-bound": "kernel launches: the CPU enqueues slower than the GPU runs",
+            "sync": "a sync leaves the GPU idle while the host works",
+            "framework": "syncs in the framework leave the GPU idle while the host works"}
+
+
+def _verdict(d: Diagnosis, m: Measured, speedups: list[str]) -> None:
+    """The verdict and the headroom."""
+    step, G, data_ms = m.step_ms, d.gpu_work_ms, m.summary.data_ms
     top = d.findings[0] if d.findings else None
-    if gpu and G is not None:
-        idle = max(0.0, step - G)
-        d.headroom_ms = idle
-        d.headroom = (f"the step takes {step:.2f} ms and its GPU work {G:.2f} ms: at most "
-                      f"{idle:.2f} ms/step ({_share(idle, step)}) can be won back without making "
-                      "the GPU's work itself faster")
-        if G >= GPU_BOUND * step:
-            d.verdict_kind = "GPU-bound"
-            d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; " + (
-                f"of the other {_share(idle, step)}, the first finding below wins back "
-                f"{min(idle, top.cost_ms):.2f} ms; beyond that, speedups come from the model's "
-                "own GPU work" if top is not None and top.cost_ms > 0 else
-                "speedups now come from the model's own GPU work"))
-            d.speedups = speedups
-        elif top is not None and top.kind == "starvation":
-            d.verdict_kind = "data-bound"
-            d.verdict = (f"data-bound: the step waits {summary.data_ms:.2f} ms for data while the "
-                         f"GPU idles {idle / step:.0%}")
-        else:
-            d.verdict_kind = "CPU-bound"
-            why = {"launch-bound": "kernel launches: the CPU enqueues slower than the GPU runs",
-                   "sync": "a sync leaves the GPU idle while the host works",
-                   "framework": "syncs in the framework leave the GPU idle while the host works"}
-            d.verdict = (f"CPU-bound ({why.get(top.kind, 'host work')}): the GPU idles "
-                         f"{idle / step:.0%} of the step" if top else
-                         f"CPU-bound: the GPU idles {idle / step:.0%} of the step; no single fix "
-                         "found (see where the host time goes)")
-    else:
-        share = summary.data_ms / step if step else 0.0
+    if not m.gpu or G is None:
+        share = data_ms / step if step else 0.0
         d.verdict_kind = "data-bound" if top is not None and top.kind == "starvation" and \
             share >= 0.1 else "CPU-bound"
         d.verdict = (f"{d.verdict_kind}: the loop runs on the CPU; data wait "
-                     f"{summary.data_ms:.2f} ms of {step:.2f} ms")
-        d.headroom_ms = summary.data_ms
-
-    # What was read and not prescribed.
-    d.settings = [_optimizer_setting(o) for o in optimizers]
-    if not optimizers and boundary and "optimizer" not in boundary:
-        d.settings.append("no torch optimizer (parameters updated by hand, or inference)")
-    if summary.loader:
-        d.settings.append(_loader_setting(summary.loader))
-    d.settings += model_settings
-    if every_step and gpu_pure_ms is not None and gpu_trace_ms is None:
-        d.notes.append("the step syncs, so the queue-full GPU time includes the host's time "
-                       "after each sync; fix the syncs first, then run the doctor again for the "
-                       "launch-bound verdict")
-    elif cupti and audit.sites and not syncs_matter and gpu_pure_ms is not None:
-        d.minor_notes.append(f"the step syncs, but the waits take {d.sync_ms:.3f} ms/step")
-    return d
+                     f"{data_ms:.2f} ms of {step:.2f} ms")
+        d.headroom_ms = data_ms
+        return
+    idle = max(0.0, step - G)
+    d.headroom_ms = idle
+    d.headroom = (f"the step takes {step:.2f} ms and its GPU work {G:.2f} ms: at most "
+                  f"{idle:.2f} ms/step ({_share(idle, step)}) can be won back without making "
+                  "the GPU's work itself faster")
+    if G >= GPU_BOUND * step:
+        d.verdict_kind = "GPU-bound"
+        d.verdict = (f"GPU-bound: the GPU works {G / step:.0%} of the step; " + (
+            f"of the other {_share(idle, step)}, the first finding below wins back "
+            f"{min(idle, top.cost_ms):.2f} ms; beyond that, speedups come from the model's "
+            "own GPU work" if top is not None and top.cost_ms > 0 else
+            "speedups now come from the model's own GPU work"))
+        d.speedups = speedups
+    elif top is not None and top.kind == "starvation":
+        d.verdict_kind = "data-bound"
+        d.verdict = (f"data-bound: the step waits {data_ms:.2f} ms for data while the "
+                     f"GPU idles {idle / step:.0%}")
+    else:
+        d.verdict_kind = "CPU-bound"
+        d.verdict = (f"CPU-bound ({_WHY_CPU.get(top.kind, 'host work')}): the GPU idles "
+                     f"{idle / step:.0%} of the step" if top else
+                     f"CPU-bound: the GPU idles {idle / step:.0%} of the step; no single fix "
+                     "found (see where the host time goes)")
 
 
 def _share(ms: float, step: float) -> str:
     return f"{ms / step:.0%}" if step > 0 else "-"
-
-def _kernel_phase(call: Callable[[Any], Any], fetch: Callable[[], Any], gpu: bool,
-                  trace: str | None, steps: int = 3) -> tuple[KernelTime | None, str | None]:
-    """Run `steps` steps under torch.profiler (last: it takes CUPTI over): the GPU's kernel time
-    per step (CUDA), and the trace written to `trace` if asked. Returns (ms or None, trace)."""
-    if not gpu and not trace:
-        return None, None
-    path = trace or os.path.join(tempfile.mkdtemp(prefix="syncless-doctor-"), "trace.json")
-    _sync(gpu)
-    with profiler(gpu, cpu=bool(trace)) as prof:
-        for _ in range(steps):
-            call(fetch())
-        _sync(gpu)
-    prof.export_chrome_trace(path)
-    ms = trace_gpu(path, steps) if gpu else None
-    if not trace:
-        os.remove(path)
-        os.rmdir(os.path.dirname(path))
-    return ms, trace
-
-
-def doctor(train_step: Callable[..., Any], steps: int = 30, *, loader: Iterable | None = None,
-           warmup: int = 3, audit_steps: int | None = None, probe: bool = True,
-           trace: str | None = None, file: TextIO | None | str = "stdout") -> Diagnosis:
-    """Diagnose a training step: `syncless.doctor(train_step, steps=30)` calls train_step()
-    (or train_step(batch) for each batch of `loader`), prints the report to `file` (None: don't)
-    and returns the Diagnosis."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    source = _cycle(loader) if loader is not None else None
-    fetch = (lambda: next(source)) if source is not None else (lambda: None)
-    call = (lambda b: train_step(b)) if loader is not None else (lambda b: train_step())
-
-    # Warm-up; its model calls also name the model (the first module called) and its autocast.
-    seen = Boundaries(lambda kind, restart: None)
-    seen.install()
-    try:
-        for _ in range(warmup):
-            call(fetch())
-    finally:
-        seen.remove()
-    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-
-    # 1. monitor (with the stack sampler)
-    mon = StepMonitor(loader=loader, gpu_every=1)
-    sampler = StackSampler()
-    hook = timed_dataloaders(mon) if loader is None else contextlib.nullcontext()
-    with hook:
-        _sync(gpu)
-        sampler.start()
-        t0 = perf_counter()
-        for _ in range(steps):
-            if source is not None:
-                t, c = perf_counter(), thread_time()
-                batch = fetch()
-                wall = perf_counter() - t
-                mon.add_data_wait(wall)
-                mon.add_data_cpu(wall, thread_time() - c)
-            else:
-                batch = None
-            mon.begin()
-            call(batch)
-            mon.end()
-        _sync(gpu)
-        wall_ms = (perf_counter() - t0) * 1e3
-        sampler.stop()
-    mon.close()
-    summary = mon.summary()
-    step_ms = wall_ms / steps
-
-    # 2. audit
-    n_audit = audit_steps or max(3, min(steps, 10))
-    a = Audit(steps=n_audit)
-    with a:
-        for _ in range(n_audit):
-            call(fetch())
-    _sync(gpu)
-
-    # 3. probe
-    n_probe = 3
-    span = sum(mon.gpu_ms.values()) / len(mon.gpu_ms) if gpu and mon.gpu_ms else 0.0
-    pure = _probe_gpu(call, fetch, step_ms, n_probe) if gpu and probe else None
-    notes = []
-    if loader is None and not summary.loader and summary.data_ms == 0:
-        notes.append("data wait not measured: train_step fetches no DataLoader batch; pass "
-                     "loader= (train_step(batch) is then called per batch)")
-
-    # 4. kernel time (and the trace), last: torch.profiler takes CUPTI over
-    kernel_ms, traced = _kernel_phase(call, fetch, gpu, trace)
-    d = assess(summary, a, warmup, step_ms, gpu, span, pure, n_probe, notes,
-               kernel_time=kernel_ms, launch_us=launch_cost_us() if gpu else None,
-               sampler=sampler, boundary="train_step() call", model=seen.model,
-               autocast=seen.autocast)
-    d.trace = traced
-    if file is not None:
-        print(d.report(), file=sys.stdout if file == "stdout" else file)
-        d._printed = True
-    return d

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from ._frames import stdlib
-from ._frameworks import framework_fix
+from ._frameworks import FrameworkFix, framework_fix
 from ._loader import plan_workers
-from .audit import ASYNC_COPY
+from .audit import ASYNC_COPY, SyncSite
 
 __all__ = ["Fix", "Finding", "after", "starvation_finding", "sync_findings", "launch_finding",
            "MINOR_SHARE", "LEADS", "in_framework_words"]
@@ -43,8 +43,10 @@ LAUNCH_MIN_KERNELS = 8
 
 class Fix(str):
     """The text of a change, with the step time it predicts (None: not predicted)."""
+    predicted_ms: float | None
+    tag: str
 
-    def __new__(cls, text: str, predicted_ms: float | None = None, tag: str = ""):
+    def __new__(cls, text: str, predicted_ms: float | None = None, tag: str = "") -> "Fix":
         self = super().__new__(cls, text)
         self.predicted_ms = predicted_ms
         self.tag = tag
@@ -57,15 +59,15 @@ class Finding:
     title: str
     cost_ms: float             # what the best fix wins back per step
     detail: str
-    fixes: list = field(default_factory=list)
+    fixes: list[Fix] = field(default_factory=list)
     where: str = ""            # file:line of a sync
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     # --verify's measurement of the best setting fix: {measured_ms, ci_low_ms, ci_high_ms, kept}
-    verified: dict | None = None
+    verified: dict[str, Any] | None = None
 
     @property
     def predicted_ms(self) -> float | None:
-        known = [f.predicted_ms for f in self.fixes if getattr(f, "predicted_ms", None) is not None]
+        known = [p for p in (f.predicted_ms for f in self.fixes) if p is not None]
         return min(known) if known else None
 
     def ordered(self) -> None:
@@ -73,7 +75,7 @@ class Finding:
         self.fixes.sort(key=lambda f: (getattr(f, "predicted_ms", None) is None,
                                        getattr(f, "predicted_ms", None) or 0.0))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "title": self.title, "wins_ms": self.cost_ms,
                 "predicted_ms": self.predicted_ms, "verified": self.verified,
                 "detail": self.detail, "where": self.where,
@@ -89,7 +91,8 @@ def after(step_ms: float, removed_ms: float, gpu_ms: float | None) -> float:
 
 # ---- data ------------------------------------------------------------------------------------
 
-def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loader: dict,
+def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
+                       loader: dict[str, Any],
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
                        host_ms: float | None = None, trainer_cpus: int = 1
@@ -150,8 +153,8 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
     share = data_ms / step_ms
     # Ranked by its prediction, or, where no worker count helps and none is predicted, by what
     # removing the wait could win at most: a data-bound step must not read as a minor finding.
-    cost = wins if fixes[0].predicted_ms is None else \
-        step_ms - min(fixes[0].predicted_ms, step_ms)
+    first = fixes[0].predicted_ms
+    cost = wins if first is None else step_ms - min(first, step_ms)
     f = Finding("starvation", "DataLoader starvation", cost,
                 f"the step waits {data_ms:.2f} ms for data ({share:.0%} of {step_ms:.2f} ms)",
                 fixes, extra={"workers_needed": plan.needed if plan.enough else None,
@@ -162,8 +165,9 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None, loa
 # ---- syncs -----------------------------------------------------------------------------------
 
 def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
-                  wins_ms: float | None = None, samples: dict | None = None,
-                  by_count: bool = False) -> list:
+                  wins_ms: float | None = None,
+                  samples: Mapping[tuple[str, int, str] | None, int] | None = None,
+                  by_count: bool = False) -> list[Finding]:
     """One finding per sync line of user code; syncs made inside a framework are grouped into one
     finding per framework setting that removes them (the setting in the title).
 
@@ -173,24 +177,24 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
     (file, line, via)) when those saw the syncs, else by the audit's blocked time, else by how
     often they sync. `by_count`: the host leads the GPU without the syncs (the module's model),
     so each sync a step gets an equal share."""
-    out = []
+    out: list[Finding] = []
     steps = audit.step_count
     timed = audit.backend == "cupti"
-    frameworks: dict[str, list] = {}
+    frameworks: dict[tuple[str, str], list[tuple[SyncSite, FrameworkFix, float, float]]] = {}
     kept = [s for s in audit.sites.values()
             if not (s.kinds == {ASYNC_COPY} and s.count / steps < 1)]
     total_ns = sum(s.blocked_ns for s in kept)
     total_count = sum(s.count for s in kept) or 1
-    samples = samples or {}
+    counts = samples or {}
 
-    def sampled(s: Any) -> int:
-        return samples.get((s.site.file, s.site.line, s.site.via), 0)
+    def sampled(s: SyncSite) -> int:
+        return counts.get((s.site.file, s.site.line, s.site.via), 0)
 
     total_samples = sum(sampled(s) for s in kept)
-    if wins_ms is None:
-        wins_ms = min(total_ns / 1e6 / steps, max(0.0, step_ms - (gpu_ms or 0.0)))
+    wins = wins_ms if wins_ms is not None else \
+        min(total_ns / 1e6 / steps, max(0.0, step_ms - (gpu_ms or 0.0)))
 
-    def predict(group: list) -> float | None:
+    def predict(group: list[SyncSite]) -> float | None:
         if not timed:
             return None
         if by_count:
@@ -201,7 +205,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
             share = sum(s.blocked_ns for s in group) / total_ns
         else:
             share = sum(s.count for s in group) / total_count
-        return max(0.0, step_ms - wins_ms * min(1.0, share))
+        return max(0.0, step_ms - wins * min(1.0, share))
 
     for s in audit.ranked():
         ms = s.blocked_ns / 1e6 / steps if timed else 0.0
@@ -231,7 +235,8 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
     for (name, setting), sites in frameworks.items():
         total = sum(ms for _, _, ms, _ in sites)
         predicted = predict([x for x, _, _, _ in sites])
-        lines, fixes = [], []
+        lines: list[str] = []
+        fixes: list[str] = []
         for s, fw, ms, per_step in sites:
             blocked = f", {ms:.3f} ms blocked under the audit" if timed else ""
             lines.append(f"{fw.frame.where} (entered at {s.where} `{s.site.code}`): "
@@ -255,7 +260,7 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
 
 def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | None,
                    step_ms: float, data_ms: float = 0.0, launch_us: float | None = None,
-                   optimizers: list = (), optimizer_ms: float | None = None,
+                   optimizers: Sequence[Any] = (), optimizer_ms: float | None = None,
                    compiled: bool = False, graph_ms: float | None = None,
                    host_ms: float | None = None, syncs: bool = False) -> Finding | None:
     """Launch-bound: the CPU needs longer to enqueue the step than the GPU needs to run it.
@@ -304,7 +309,7 @@ def is_minor(f: Finding, step_ms: float) -> bool:
     return step_ms <= 0 or f.cost_ms < MINOR_SHARE * step_ms or math.isnan(f.cost_ms)
 
 
-def in_framework_words(findings: list, framework: str, gpu: bool) -> None:
+def in_framework_words(findings: list[Finding], framework: str, gpu: bool) -> None:
     """Put first, in each finding the framework's loop makes, the line its user writes:
     `TrainingArguments(...)` for the HF Trainer, the `DataLoader`/`torch.compile` argument for a
     Lightning Trainer. The prediction is the fix's it says in other words."""

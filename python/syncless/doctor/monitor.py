@@ -30,13 +30,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
 from ._gpuclock import GpuClock, gpu_clock
 from ._loader import loader_settings
-from .findings import is_minor, starvation_finding
+from .findings import Finding, is_minor, starvation_finding
 from .report import ReportText, render_watch, watch_html
 
 __all__ = ["StepMonitor", "watch", "Watch", "MonitorSummary"]
@@ -56,7 +56,7 @@ class MonitorSummary:
     gpu_steps: int               # steps whose GPU time was read
     idle: float | None           # estimated GPU idle fraction: 1 - GPU time / wall time
     data_p90_ms: float = 0.0
-    loader: dict = field(default_factory=dict)
+    loader: dict[str, Any] = field(default_factory=dict)
     data_cpu: float | None = None    # CPU share of the training thread's data wait (None: untimed)
     gpu_clock: GpuClock | None = None    # the GPU's pace and lag, from a Logger(gpu_time=True)
 
@@ -64,7 +64,7 @@ class MonitorSummary:
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
-    def findings(self) -> list:
+    def findings(self) -> list[Finding]:
         """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
         a step can get no faster than its GPU work)."""
         f = starvation_finding(self.data_ms, self.step_ms, self.gpu_ms, self.loader,
@@ -80,39 +80,23 @@ def sampling_interval(cost_s: float, wall_s: float) -> int:
     return max(1, min(_MAX_EVERY, math.ceil(cost_s / (GPU_BUDGET * wall_s))))
 
 
-class StepMonitor:
-    """Per-step data wait, CPU time and GPU time, at the cost of a few microseconds a step.
+class _GpuTiming:
+    """GPU time of the steps a StepMonitor times: a pooled CUDA event pair around each, read once
+    its end event completed (never a wait in the loop), on a sample of the steps chosen to keep
+    the event calls under GPU_BUDGET of the step (gpu_every=None) or every n-th step."""
 
-    gpu_every: GPU-time every n-th step (1: every step); None (default) picks n from the measured
-    cost of the event calls and the step time (see sampling_interval)."""
-
-    def __init__(self, log: Any = None, *, loader: Any = None, gpu: bool | None = None,
-                 gpu_every: int | None = None, history: int = 100_000):
-        if gpu_every is not None and (isinstance(gpu_every, bool) or
-                                      not isinstance(gpu_every, int) or gpu_every < 1):
-            raise ValueError(f"gpu_every must be a positive int, or None to choose it from the "
-                             f"step time; got {gpu_every!r}")
-        self.log = log
-        self.loader = loader_settings(loader) if loader is not None else {}
+    def __init__(self, gpu: bool | None, gpu_every: int | None) -> None:
         self.gpu_every = gpu_every
-        self._gpu_wanted = gpu
-        self._gpu = 0                         # 0: undecided, 1: timing on, -1: off
+        self._wanted = gpu
+        self._state = 0                       # 0: undecided, 1: timing on, -1: off
         self._device = 0
-        self._free: list = []
-        self._pending: collections.deque = collections.deque()
-        self._EventPair = None
-        self.steps = 0
-        self.data_s: collections.deque = collections.deque(maxlen=history)
-        self.cpu_s: collections.deque = collections.deque(maxlen=history)
+        self._free: list[Any] = []
+        self._pending: collections.deque[tuple[int, Any]] = collections.deque()
+        self._EventPair: Any = None
         self.gpu_ms: dict[int, float] = {}
         self.untimed = 0                      # steps meant to be GPU-timed that were not
-        self._wait_before = 0.0               # waited for data before the open step
-        self._data_wall = self._data_cpu = 0.0
-        self._wait_inside = 0.0               # waited for data inside the open step
-        self._t0 = None                       # start of the open step
-        self._pair = None
-        self._latest_gpu = None               # (step, ms) newest GPU reading not yet logged
-        self._log_offset: int | None = None   # logger step minus monitor step, from the first row
+        self._pair: Any = None
+        self.latest: tuple[int, float] | None = None   # newest reading not yet logged
         self._every = gpu_every or 1          # the sampling interval in force
         self._next_timed = 0                  # the next step to GPU-time
         # Adaptive sampling: a "cycle" runs from one timed step's start to the next one's.
@@ -123,51 +107,32 @@ class StepMonitor:
         # Event time of the recent cycles; their minimum is the cost estimate, because a record
         # made while the launch queue is full blocks until the GPU frees a slot, and that wait
         # is the GPU's pace (the next kernel launch would pay it), not the monitor's cost.
-        self._costs: collections.deque = collections.deque(maxlen=16)
+        self._costs: collections.deque[float] = collections.deque(maxlen=16)
 
-    # ---- marks --------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        if self._state == 0:
+            self._decide()
+        if self._state == 1 and step >= self._next_timed:
+            self._start(step)
 
-    def add_data_cpu(self, wall: float, cpu: float) -> None:
-        """Thread CPU time spent in `wall` seconds of data wait (the doctor's DataLoader timing):
-        tells a loader that computes from one that waits (for disk, network, a sleep)."""
-        self._data_wall += wall
-        self._data_cpu += cpu
-
-    def add_data_wait(self, seconds: float) -> None:
-        """Time blocked waiting for data: before a step (counted to it) or inside one."""
-        if self._t0 is None:
-            self._wait_before += seconds
-        else:
-            self._wait_inside += seconds
-
-    def begin(self) -> None:
-        if self._gpu == 0:
-            self._decide_gpu()
-        if self._gpu == 1 and self.steps >= self._next_timed:
-            self._start_timing()
-        self._t0 = perf_counter()             # after the event call: it is the monitor's cost
-
-    def end(self) -> None:
-        t1 = perf_counter()
-        if self._t0 is None:
-            return
-        step = self.steps
-        inside = self._wait_inside
-        data = self._wait_before + inside
-        cpu = max(0.0, t1 - self._t0 - inside)
-        self.data_s.append(data)
-        self.cpu_s.append(cpu)
+    def end(self, step: int, wall: float) -> None:
         if self._pair is not None or self._pending:
-            self._stop_timing(step)
-        self._cycle_wall += data + cpu
+            self._stop(step)
+        self._cycle_wall += wall
         self._cycle_steps += 1
-        self._t0 = None
-        self._wait_before = self._wait_inside = 0.0
-        self.steps = step + 1
-        if self.log is not None:
-            self._log(step, data, cpu)
 
-    def _start_timing(self) -> None:
+    def _decide(self) -> None:
+        # Never initialise CUDA for the monitor's sake: time the GPU only once the loop uses it.
+        if self._wanted is False or not torch.cuda.is_available():
+            self._state = -1
+        # (torch.cuda.is_initialized() has no annotations in torch)
+        elif torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # else: ask next step
+            from .._torch import _C
+            self._EventPair = _C.EventPair
+            self._device = torch.cuda.current_device()
+            self._state = 1
+
+    def _start(self, step: int) -> None:
         t = perf_counter()
         if self.gpu_every is None and self._cycle_steps and not self._created:
             self._costs.append(self._event_s)
@@ -178,7 +143,7 @@ class StepMonitor:
         self._event_s = self._cycle_wall = 0.0
         self._cycle_steps = 0
         self._created = False
-        self._next_timed = self.steps + self._every
+        self._next_timed = step + self._every
         if self._free:
             pair = self._free.pop()
         elif len(self._pending) < _MAX_PENDING:
@@ -197,7 +162,7 @@ class StepMonitor:
         self._pair = pair
         self._event_s += perf_counter() - t
 
-    def _stop_timing(self, step: int) -> None:
+    def _stop(self, step: int) -> None:
         t = perf_counter()
         pair, self._pair = self._pair, None
         if pair is not None:
@@ -211,16 +176,6 @@ class StepMonitor:
             self._poll()
         self._event_s += perf_counter() - t
 
-    def _decide_gpu(self) -> None:
-        # Never initialise CUDA for the monitor's sake: time the GPU only once the loop uses it.
-        if self._gpu_wanted is False or not torch.cuda.is_available():
-            self._gpu = -1
-        elif torch.cuda.is_initialized():          # else undecided: ask again next step
-            from .._torch import _C
-            self._EventPair = _C.EventPair
-            self._device = torch.cuda.current_device()
-            self._gpu = 1
-
     def _poll(self) -> None:
         pending = self._pending
         while pending:
@@ -230,23 +185,101 @@ class StepMonitor:
                 return
             pending.popleft()
             self.gpu_ms[step] = ms
-            self._latest_gpu = (step, ms)
+            self.latest = (step, ms)
             self._free.append(pair)        # start() clears its reading: reused as is
+
+    def drain(self) -> None:
+        while self._pending:
+            step, pair = self._pending.popleft()
+            self.gpu_ms[step] = pair.elapsed()
+            self._free.append(pair)        # start() clears its reading: reused as is
+
+    def close(self) -> None:
+        self.drain()
+        self._free.clear()
+
+
+class StepMonitor:
+    """Per-step data wait, CPU time and GPU time, at the cost of a few microseconds a step.
+
+    gpu_every: GPU-time every n-th step (1: every step); None (default) picks n from the measured
+    cost of the event calls and the step time (see sampling_interval)."""
+
+    def __init__(self, log: Any = None, *, loader: Any = None, gpu: bool | None = None,
+                 gpu_every: int | None = None, history: int = 100_000):
+        if gpu_every is not None and (isinstance(gpu_every, bool) or
+                                      not isinstance(gpu_every, int) or gpu_every < 1):
+            raise ValueError(f"gpu_every must be a positive int, or None to choose it from the "
+                             f"step time; got {gpu_every!r}")
+        self.log = log
+        self.loader: dict[str, Any] = loader_settings(loader) if loader is not None else {}
+        self.gpu_every = gpu_every
+        self._gpu = _GpuTiming(gpu, gpu_every)
+        self.gpu_ms = self._gpu.gpu_ms        # step -> GPU ms, as read
+        self.steps = 0
+        self.data_s: collections.deque[float] = collections.deque(maxlen=history)
+        self.cpu_s: collections.deque[float] = collections.deque(maxlen=history)
+        self._wait_before = 0.0               # waited for data before the open step
+        self._data_wall = self._data_cpu = 0.0
+        self._wait_inside = 0.0               # waited for data inside the open step
+        self._t0: float | None = None         # start of the open step
+        self._log_offset: int | None = None   # logger step minus monitor step, from the first row
+
+    @property
+    def untimed(self) -> int:
+        """Steps meant to be GPU-timed that were not (graph capture, too many in flight)."""
+        return self._gpu.untimed
+
+    # ---- marks --------------------------------------------------------------------------------
+
+    def add_data_cpu(self, wall: float, cpu: float) -> None:
+        """Thread CPU time spent in `wall` seconds of data wait (the doctor's DataLoader timing):
+        tells a loader that computes from one that waits (for disk, network, a sleep)."""
+        self._data_wall += wall
+        self._data_cpu += cpu
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Time blocked waiting for data: before a step (counted to it) or inside one."""
+        if self._t0 is None:
+            self._wait_before += seconds
+        else:
+            self._wait_inside += seconds
+
+    def begin(self) -> None:
+        self._gpu.begin(self.steps)
+        self._t0 = perf_counter()             # after the event call: it is the monitor's cost
+
+    def end(self) -> None:
+        t1 = perf_counter()
+        if self._t0 is None:
+            return
+        step = self.steps
+        inside = self._wait_inside
+        data = self._wait_before + inside
+        cpu = max(0.0, t1 - self._t0 - inside)
+        self.data_s.append(data)
+        self.cpu_s.append(cpu)
+        self._gpu.end(step, data + cpu)
+        self._t0 = None
+        self._wait_before = self._wait_inside = 0.0
+        self.steps = step + 1
+        if self.log is not None:
+            self._log(step, data, cpu)
 
     def _log(self, step: int, data: float, cpu: float) -> None:
         values = {"data_wait_ms": data * 1e3, "cpu_ms": cpu * 1e3, "step_ms": (data + cpu) * 1e3}
-        if self._latest_gpu is not None:
+        if self._gpu.latest is not None:
             # GPU times arrive a few steps late; the row says which step they measured.
-            values["gpu_ms"] = self._latest_gpu[1]
-            values["gpu_step"] = float(self._latest_gpu[0])
-            self._latest_gpu = None
+            values["gpu_ms"] = self._gpu.latest[1]
+            values["gpu_step"] = float(self._gpu.latest[0])
+            self._gpu.latest = None
         at = max(step, getattr(self.log, "last_step", -1))
         if self._log_offset is None:
             self._log_offset = at - step
         self.log.log(values, step=at)
 
     @contextlib.contextmanager
-    def data(self):
+    def data(self) -> Iterator[None]:
         t = perf_counter()
         try:
             yield
@@ -254,7 +287,7 @@ class StepMonitor:
             self.add_data_wait(perf_counter() - t)
 
     @contextlib.contextmanager
-    def step(self):
+    def step(self) -> Iterator[None]:
         self.begin()
         try:
             yield
@@ -265,16 +298,12 @@ class StepMonitor:
 
     def drain(self) -> None:
         """Read every GPU time still in flight (waits for the GPU: call after the loop)."""
-        while self._pending:
-            step, pair = self._pending.popleft()
-            self.gpu_ms[step] = pair.elapsed()
-            self._free.append(pair)        # start() clears its reading: reused as is
+        self._gpu.drain()
 
     def close(self) -> None:
-        self.drain()
-        self._free.clear()
+        self._gpu.close()
 
-    def summary(self, skip: int = 0, exclude: frozenset = frozenset()) -> MonitorSummary:
+    def summary(self, skip: int = 0, exclude: Collection[int] = frozenset()) -> MonitorSummary:
         """Means over the steps recorded (after `skip` warm-up steps, without the steps in
         `exclude`: the doctor's stalls, periodic work it reports apart). Call drain() first for
         every GPU time; without it only the completed ones count."""
@@ -309,15 +338,17 @@ class StepMonitor:
 class Watch:
     """Iterate `iterable` like the original, timing each step; `.monitor` holds the numbers."""
 
-    def __init__(self, iterable: Iterable, log: Any = None, monitor: StepMonitor | None = None,
+    def __init__(self, iterable: Iterable[Any], log: Any = None,
+                 monitor: StepMonitor | None = None,
                  **kw: Any):
         self.iterable = iterable
         self.monitor = monitor or StepMonitor(log=log, loader=iterable, **kw)
 
     def __len__(self) -> int:
-        return len(self.iterable)
+        # An iterable without len() raises TypeError here, as len() of it would.
+        return len(self.iterable)  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         mon = self.monitor
         it = iter(self.iterable)
         if not mon.loader:
@@ -352,7 +383,7 @@ class Watch:
         return watch_html(self)
 
 
-def watch(iterable: Iterable, log: Any = None, **kw: Any) -> Watch:
+def watch(iterable: Iterable[Any], log: Any = None, **kw: Any) -> Watch:
     """`for batch in syncless.watch(loader, log=log):` — per-step data wait, CPU and GPU time,
     logged as data_wait_ms / cpu_ms / step_ms / gpu_ms when a Logger is given. A
     Logger(gpu_time=True) also gives the report the GPU's pace and how far it trails the host,

@@ -4,10 +4,10 @@ from __future__ import annotations
 import html
 from typing import Any
 
-__all__ = ["render_audit", "render_doctor", "render_watch", "watch_html"]
+__all__ = ["audit_repr", "render_audit", "render_doctor", "render_watch", "watch_html"]
 
 
-def _table(rows: list, header: list) -> list:
+def _table(rows: list[list[Any]], header: list[str]) -> list[str]:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
@@ -15,13 +15,29 @@ def _table(rows: list, header: list) -> list:
     return lines
 
 
-def _backend_lines(audit: Any) -> list:
+def _backend_lines(audit: Any) -> list[str]:
     if audit.backend == "cupti":
         return ["sync finder: CUPTI callbacks (every CUDA runtime/driver call of this thread)"]
     if audit.backend == "torch-sync-debug":
         return [f"sync finder: torch sync debug mode (CUPTI unavailable: {audit.reason})",
                 f"  missed in this mode: {audit.misses}"]
     return [f"sync finder: off ({audit.reason})"]
+
+
+def audit_repr(audit: Any, running: bool) -> str:
+    """An Audit in one line."""
+    finder = {"cupti": "CUPTI", "torch-sync-debug": "torch sync-debug mode"}.get(
+        audit.backend, "no sync finder")
+    if running:
+        return f"<syncless.Audit: running ({finder})>"
+    if not audit.elapsed_s:
+        return "<syncless.Audit: not run yet (with syncless.audit() as a: ...)>"
+    n = sum(s.count for s in audit.sites.values())
+    text = (f"<syncless.Audit: {audit.step_count} step(s), {audit.syncs_per_step():g} "
+            f"sync(s)/step ({n} at {len(audit.sites)} line(s))")
+    if audit.backend == "cupti":
+        text += f", {audit.blocked_ms_per_step():.3f} ms blocked/step"
+    return f"{text} ({finder})>"
 
 
 def render_audit(audit: Any) -> str:
