@@ -1172,7 +1172,7 @@ def test_cli_finds_launch_bound_batch_1(tmp_path):
     """, 80), "--steps", "20", timeout=120)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "20 measured steps (+3 warm-up, 10 audited, 3 probed)" in out, out
+    assert "20 measured steps (+3 warm-up, 20 unobserved, 10 audited, 3 probed)" in out, out
     assert "GPU work (queue full)" in out and "  kernel launches (" in out, out
     assert "verdict: CPU-bound (kernel launches" in out, out
     assert "1. Launch-bound: wins back" in out and "fix → " in out, out
@@ -1191,10 +1191,10 @@ def test_cli_gpu_bound_script_gets_the_gpu_bound_verdict(tmp_path):
         model = model.to("cuda", torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    """, 40), "--steps", "20", timeout=120)
+    """, 80), "--steps", "20", timeout=120)     # 3 + 20 unobserved + 20 + 10 + 3 steps < 80
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "20 measured steps (+3 warm-up, 10 audited, 3 probed)" in out, out
+    assert "20 measured steps (+3 warm-up, 20 unobserved, 10 audited, 3 probed)" in out, out
     assert "GPU work (" in out, out
     assert "Launch-bound" not in out, out
     assert "no findings: GPU-bound: the GPU works" in out, out
