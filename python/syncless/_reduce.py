@@ -14,15 +14,13 @@ size.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ._torch import _C
-
-if TYPE_CHECKING:
-    from .logger import Row
+from .rows import Row
 
 # [(reduce op, the columns it takes, as an index tensor; None: all of them)]
 _Groups = list[tuple[str, torch.Tensor | None]]
