@@ -629,6 +629,25 @@ def test_a_sync_wins_back_only_the_gpu_idle_it_causes():
     assert f.cost_ms == pytest.approx(1.5) and f.fixes[0].predicted_ms == pytest.approx(8.5)
 
 
+def test_a_queue_that_never_ran_dry_is_gpu_bound_whatever_the_probe_reads():
+    """A GPU-bound step (on an H200: 4 x 8192^2 bf16 linears, the host blocked in launches with
+    the queue full) whose probe read the GPU work 21% low: the trace saw the GPU wait for
+    launches 0.1 ms of a 20-ms step, so the step is its GPU work. A loop waiting for data keeps
+    the probe's figure: its trace (after the doctor's own pauses let the workers fill their
+    prefetch) can run three steps from ready batches."""
+    from syncless.doctor.diagnose import KernelTime, Measured, assess
+    a = cupti_audit([])
+    trace = KernelTime(20.0, None, 0.0, launch_wait_ms=0.1)
+    d = assess(Measured(summary(20.0, cpu_ms=19.5), a, 2, 20.0, True, 19.9, 15.8, 3,
+                        kernel_time=trace))
+    assert d.gpu_work_ms == 20.0 and d.gpu_work_source == "queue never ran dry"
+    assert d.verdict_kind == "GPU-bound", d.report()
+    assert d.findings == [], d.report()
+    starved = assess(Measured(summary(20.0, data_ms=8.0), a, 2, 20.0, True, 12.0, 11.8, 3,
+                              kernel_time=trace))
+    assert starved.gpu_work_ms == 11.8 and starved.verdict_kind == "data-bound", starved.report()
+
+
 def test_trace_reading_measures_busy_time_and_the_bubble_after_a_sync(tmp_path):
     from syncless.doctor.diagnose import trace_gpu
     k = lambda ts, dur: {"cat": "kernel", "ts": ts, "dur": dur, "name": "k"}

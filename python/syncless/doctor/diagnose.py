@@ -570,13 +570,19 @@ def _gpu_work(d: Diagnosis, m: Measured, every_step: bool) -> None:
     # (0.004-0.009 ms/step over ~400 kernels there): idle beyond the kernels is the GPU waiting
     # for the host. Without the trace's launch times, a GPU busy through the whole step (the
     # event span fills it, the kernels within 20%) stands in.
+    # The probe too can read low: behind its idle sleep the clocks are down (a step of 4 large
+    # bf16 matmuls on an H200, host blocked in launches with the queue full, probed 21% under
+    # its step). With the host not waiting for data the trace's word stands whatever the other
+    # figures say; a loop that waits for data keeps them (its three traced steps, after the
+    # doctor's own pauses let the workers fill their prefetch, can run from ready batches).
     wait = m.kernel_time.launch_wait_ms if m.kernel_time is not None else None
-    if d.gpu_work_ms is None or step <= 0 or d.gpu_work_ms < 0.8 * step:
+    if d.gpu_work_ms is None or step <= 0:
         return
-    if wait is not None and wait <= SATURATED * step:
+    fed = m.summary.data_ms < 0.05 * step
+    if wait is not None and wait <= SATURATED * step and (fed or d.gpu_work_ms >= 0.8 * step):
         d.gpu_work_ms, d.gpu_work_source = step, "queue never ran dry"
-    elif wait is None and span and span >= 0.9 * step and not every_step and \
-            m.summary.data_ms < 0.05 * step and span > d.gpu_work_ms:
+    elif wait is None and span and span >= 0.9 * step and not every_step and fed and \
+            d.gpu_work_ms >= 0.8 * step and span > d.gpu_work_ms:
         d.gpu_work_ms, d.gpu_work_source = min(span, step), "busy all step"
 
 
