@@ -248,3 +248,98 @@ def test_verify_measures_the_dataloader_fix_of_a_lightning_trainer(tmp_path):
     assert "in your train_dataloader()" in f["fixes"][0]["text"], f
     [line] = [x for x in d["verify"] if x.startswith("num_workers=")]
     assert line.split(";")[0].endswith(": kept"), line
+
+
+# ---- syncless's drop-ins: SynclessTrainer for Trainer, SynclessLogging() in Lightning's ---------
+
+DROPIN_SCRIPT = """
+    import json
+    import lightning.pytorch as pl
+    import pytorch_lightning
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+    from syncless.lightning import SynclessLogging
+
+    config = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                        intermediate_size=8, max_position_embeddings=8)
+    args = TrainingArguments(output_dir="out", report_to="none", use_cpu=True)
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False, accelerator="cpu", devices=1)
+    mine = pl.Callback()
+    fit = pl.Trainer(callbacks=[mine], **quiet)
+    own = pl.Trainer(callbacks=[SynclessLogging()], **quiet)
+    legacy = pytorch_lightning.Trainer(**quiet)
+    names = lambda t: [type(c).__name__ for c in t.callbacks if "Syncless" in type(c).__name__]
+    with open("seen.json", "w") as f:
+        json.dump({"trainer": [c.__name__ for c in type(trainer).__mro__[:2]],
+                   "fit": names(fit), "mine_kept": mine in fit.callbacks, "own": names(own),
+                   "legacy": names(legacy)}, f)
+"""
+
+DROPIN_RUN = """
+import json, runpy, sys
+import lightning.pytorch as pl, pytorch_lightning, transformers, transformers.trainer
+from syncless.doctor import _verify
+before = (transformers.Trainer, transformers.trainer.Trainer, pl.Trainer.__init__,
+          pytorch_lightning.Trainer.__init__)
+undo = _verify.apply(json.loads(sys.argv[1]))
+try:
+    runpy.run_path("train.py", run_name="__main__")
+finally:
+    undo()
+after = (transformers.Trainer, transformers.trainer.Trainer, pl.Trainer.__init__,
+         pytorch_lightning.Trainer.__init__)
+print("restored" if after == before else f"not restored: {before} -> {after}")
+"""
+
+
+@pytest.mark.slow
+def test_apply_makes_the_scripts_trainers_syncless_and_restores_them(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(DROPIN_SCRIPT))
+    r = subprocess.run([sys.executable, "-c", DROPIN_RUN,
+                        json.dumps({"dropin": ["transformers", "lightning"]})],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("restored"), r.stdout
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["trainer"] == ["SynclessTrainer", "SynclessTrainerMixin"]
+    assert seen["fit"] == ["SynclessLogging"] and seen["mine_kept"] is True
+    assert seen["own"] == ["SynclessLogging"], "a Trainer that has one gets no second"
+    assert seen["legacy"] == ["SynclessLogging"], "pytorch_lightning's Trainer too"
+    # Without the setting the same script runs the frameworks' own classes.
+    r = subprocess.run([sys.executable, "-c", DROPIN_RUN, "{}"], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["trainer"][0] == "Trainer"
+    assert (seen["fit"], seen["legacy"]) == ([], [])
+
+
+def test_apply_names_the_drop_ins_it_knows():
+    with pytest.raises(ValueError, match="no syncless drop-in for 'keras'"):
+        _verify.apply({"dropin": ["keras"]})
+
+
+def test_apply_swaps_the_trainer_classes_in_process_and_puts_them_back():
+    # The quick twin of the test above: the classes a script would import, without running one.
+    import lightning.pytorch as pl
+    import transformers
+    import transformers.trainer
+    from syncless import hf, lightning
+    trainer, init = transformers.Trainer, pl.Trainer.__init__
+    undo = _verify.apply({"dropin": ["transformers", "lightning"]})
+    try:
+        from transformers import Trainer
+        assert Trainer is hf.SynclessTrainer and transformers.trainer.Trainer is Trainer
+        mine = pl.Callback()
+        fit = pl.Trainer(callbacks=mine, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1)
+        added = [c for c in fit.callbacks if isinstance(c, lightning.SynclessLogging)]
+        assert len(added) == 1 and mine in fit.callbacks
+    finally:
+        undo()
+    assert (transformers.Trainer, transformers.trainer.Trainer) == (trainer, trainer)
+    assert pl.Trainer.__init__ is init
