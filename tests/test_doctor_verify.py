@@ -343,3 +343,68 @@ def test_apply_swaps_the_trainer_classes_in_process_and_puts_them_back():
         undo()
     assert (transformers.Trainer, transformers.trainer.Trainer) == (trainer, trainer)
     assert pl.Trainer.__init__ is init
+
+
+def _frame_at(module, function, needle):
+    """A Frame at the first line of `function` in the installed `module` that holds `needle`."""
+    import inspect
+    from syncless.doctor._frames import Frame
+    src = inspect.getsource(module).splitlines()
+    start = next(i for i, l in enumerate(src) if f"def {function}(" in l)
+    line = next(i for i, l in enumerate(src[start:], start + 1) if needle in l)
+    return Frame(module.__file__, line, function)
+
+
+def test_trainer_internal_syncs_name_synclesstrainer_beside_training_arguments():
+    from syncless.doctor._frameworks import framework_fix
+    trainer = pytest.importorskip("transformers.trainer")
+    ops = pytest.importorskip("accelerate.utils.operations")
+    run = _frame_at(trainer, "_run_epoch", "torch.isnan(tr_loss_step)")
+    logging_step = _frame_at(trainer, "_maybe_log_save_evaluate", "parallel_mode).mean().item()")
+    tokens = _frame_at(trainer, "_track_num_input_tokens", ".sum().item()")
+    copy = _frame_at(ops, "send_to_device", "non_blocking=non_blocking)")
+    said = "syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
+    cases = [((run,), "logging_nan_inf_filter", "TrainingArguments(logging_nan_inf_filter=False)",
+              "runs the same filter on the device"),
+             ((logging_step, run), "logging step", "TrainingArguments(logging_steps=",
+              "keeps the logging step's loss and grad norm on the device"),
+             ((tokens, run), "include_num_input_tokens_seen",
+              "TrainingArguments(include_num_input_tokens_seen='no')",
+              "counts the tokens without a host read"),
+             ((copy, run), "blocking batch copy", "the batch is copied to the GPU",
+              "makes the Trainer's batch copies non-blocking when its loader pins memory")]
+    for chain, setting, fix, dropin in cases:
+        fw = framework_fix(chain)
+        assert fw is not None and fw.setting == setting, (setting, fw)
+        assert fw.fix.startswith(fix), fw.fix
+        assert fw.dropin == "transformers" and fw.dropin_fix.startswith(said + dropin), fw
+    assert "TrainingArguments(accelerator_config={'non_blocking': True})" in \
+        framework_fix((copy, run)).fix
+    # The same copy made by accelerate in a loop of the user's own: no Trainer to swap.
+    alone = framework_fix((copy,))
+    assert (alone.setting, alone.dropin, alone.dropin_fix) == ("blocking batch copy", "", "")
+    # The evaluation loop's NaN check: SynclessTrainer leaves evaluation as it is.
+    evaluation = _frame_at(trainer, "evaluation_loop", "logging_nan_inf_filter and finite")
+    fw = framework_fix((evaluation,))
+    assert fw.setting == "logging_nan_inf_filter" and fw.dropin == ""
+
+
+def test_lightning_logging_syncs_name_synclesslogging():
+    from syncless.doctor._frameworks import framework_fix
+    result = pytest.importorskip("lightning.pytorch.trainer.connectors.logger_connector.result")
+    from lightning.pytorch.core import module
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
+    pbar = _frame_at(result, "metrics", 'metrics["pbar"]')
+    to_loggers = _frame_at(logger_connector, "log_metrics", "convert_tensors_to_scalars")
+    step = _frame_at(logger_connector, "update_train_step_metrics", "self.log_metrics(")
+    epoch = _frame_at(logger_connector, "update_train_epoch_metrics", "self.log_metrics(")
+    number = _frame_at(module, "__to_tensor", "torch.tensor(value")
+    said = "Trainer(callbacks=[syncless.lightning.SynclessLogging()]): "
+    for chain, setting in (((pbar,), "prog_bar"), ((to_loggers, step), "logged step values"),
+                           ((number,), "self.log(float)")):
+        fw = framework_fix(chain)
+        assert fw is not None and fw.setting == setting, (setting, fw)
+        assert fw.dropin == "lightning" and fw.dropin_fix.startswith(said), fw
+    assert "log_every_n_steps" in framework_fix((to_loggers, step)).fix
+    # Epoch values: Lightning reads each once an epoch, with or without the callback.
+    assert framework_fix((to_loggers, epoch)) is None
