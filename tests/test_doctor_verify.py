@@ -408,3 +408,76 @@ def test_lightning_logging_syncs_name_synclesslogging():
     assert "log_every_n_steps" in framework_fix((to_loggers, step)).fix
     # Epoch values: Lightning reads each once an epoch, with or without the callback.
     assert framework_fix((to_loggers, epoch)) is None
+
+
+HF_TINY = """
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 100000
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.tensor([(i + k) % 47 + 1 for k in range(8)]),
+                    "labels": torch.tensor(i % 2)}
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=32,
+                            max_position_embeddings=8)
+        args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=200,
+                                 logging_steps=10, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True)
+        trainer = Trainer(model=BertForSequenceClassification(config), args=args,
+                          train_dataset=Tokens())
+        with open("classes.txt", "a") as f:
+            print(type(trainer).__name__, file=f)
+        trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_verify_measures_the_synclesstrainer_drop_in_in_paired_runs(tmp_path):
+    # A finding for the Trainer's NaN/Inf filter, as the CUPTI audit makes it on a GPU (the line
+    # is the installed Trainer's own), verified on CPU in real runs of a tiny HF Trainer script:
+    # the drop-in is applied in exactly the "with" runs, and kept only if its interval wins (on
+    # a CPU there is no sync to remove, so whether it wins is this host's noise).
+    import inspect
+    trainer = pytest.importorskip("transformers.trainer")
+    from syncless.doctor._frames import Frame, caller_site
+    from syncless.doctor.audit import SYNC, Audit
+    from syncless.doctor.diagnose import Measured, assess
+    from syncless.doctor.monitor import MonitorSummary
+    src = inspect.getsource(trainer).splitlines()
+    nan_line = next(i for i, l in enumerate(src, 1) if "torch.isnan(tr_loss_step)" in l)
+    frame = Frame(trainer.__file__, nan_line, "_run_epoch")
+    site = caller_site(0)._replace(code="trainer.train()", via=frame.where, chain=(frame,))
+    audit = Audit(steps=4)
+    audit.backend, audit.elapsed_s = "cupti", 0.01
+    for _ in range(4):
+        audit._add(audit.sites, site, "cudaStreamSynchronize", SYNC, 2_000_000, True)
+    d = assess(Measured(MonitorSummary(20, 0.0, 12.0, 12.0, None, 0, None, 0.0, {}), audit, 2,
+                        12.0, True, 11.0, 9.0, 3))
+    [f] = [f for f in d.findings if f.kind == "framework"]
+    assert _verify.setting_fixes(d) == [
+        (f, "syncless.hf.SynclessTrainer(...) in place of Trainer(...)",
+         {"dropin": "transformers"})]
+    (tmp_path / "train.py").write_text(textwrap.dedent(HF_TINY))
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=5, steps=20, pairs=2,
+                         timeout_s=300, cwd=str(tmp_path))
+    [line] = _verify.verify(d, v, {}, cpus=2)
+    print(line)
+    classes = (tmp_path / "classes.txt").read_text().split()
+    assert v.runs == 4 and sorted(classes) == ["SynclessTrainer"] * 2 + ["Trainer"] * 2
+    assert classes == ["Trainer", "SynclessTrainer", "SynclessTrainer", "Trainer"], "A B, B A"
+    r = f.verified
+    assert r is not None and len(r["runs"]["with"]) == len(r["runs"]["without"]) == 2
+    assert r["kept"] == (r["ci_high_ms"] < r["baseline_ms"])
+    assert line.startswith("syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
+                           f"{r['baseline_ms']:.2f} -> {r['measured_ms']:.2f} ms/step")
+    assert line.endswith(": kept" if r["kept"] else
+                         ": not kept (the interval does not say it wins)"), line
