@@ -683,8 +683,12 @@ def test_framework_syncs_group_by_library_line_with_their_setting():
     assert f"transformers/trainer.py:{nan_line}" in f.detail
     assert f"(entered at {entry.where} `trainer.train()`)" in f.detail
     assert f.fixes[0].startswith("TrainingArguments(logging_nan_inf_filter=False)")
-    assert "syncless.hf" in f.fixes[0]
     assert f.fixes[0].predicted_ms == pytest.approx(10.0)        # 12 - 2 blocked
+    # Beside the setting, the drop-in that removes the same sync, with the same prediction.
+    assert f.fixes[1].startswith("syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
+                                 "runs the same filter on the device")
+    assert (f.fixes[1].tag, f.fixes[1].predicted_ms) == ("dropin", pytest.approx(10.0))
+    assert f.extra["dropin"] == "transformers"
 
 
 def test_lightning_progress_bar_sync_names_prog_bar():
@@ -695,7 +699,8 @@ def test_lightning_progress_bar_sync_names_prog_bar():
     line = next(i for i, l in enumerate(src, 1) if "set_postfix(self.get_metrics" in l)
     fw = framework_fix((Frame(tqdm_progress.__file__, line, "on_train_batch_end"),))
     assert fw.framework == "lightning" and "prog_bar=False" in fw.fix
-    assert "syncless.lightning" in fw.fix
+    assert fw.dropin == "lightning" and fw.dropin_fix.startswith(
+        "Trainer(callbacks=[syncless.lightning.SynclessLogging()]): gives the values")
 
 
 def test_transformers_mask_check_sync_names_what_removes_it():

@@ -248,3 +248,236 @@ def test_verify_measures_the_dataloader_fix_of_a_lightning_trainer(tmp_path):
     assert "in your train_dataloader()" in f["fixes"][0]["text"], f
     [line] = [x for x in d["verify"] if x.startswith("num_workers=")]
     assert line.split(";")[0].endswith(": kept"), line
+
+
+# ---- syncless's drop-ins: SynclessTrainer for Trainer, SynclessLogging() in Lightning's ---------
+
+DROPIN_SCRIPT = """
+    import json
+    import lightning.pytorch as pl
+    import pytorch_lightning
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+    from syncless.lightning import SynclessLogging
+
+    config = BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                        intermediate_size=8, max_position_embeddings=8)
+    args = TrainingArguments(output_dir="out", report_to="none", use_cpu=True)
+    trainer = Trainer(model=BertForSequenceClassification(config), args=args)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False, accelerator="cpu", devices=1)
+    mine = pl.Callback()
+    fit = pl.Trainer(callbacks=[mine], **quiet)
+    own = pl.Trainer(callbacks=[SynclessLogging()], **quiet)
+    legacy = pytorch_lightning.Trainer(**quiet)
+    names = lambda t: [type(c).__name__ for c in t.callbacks if "Syncless" in type(c).__name__]
+    with open("seen.json", "w") as f:
+        json.dump({"trainer": [c.__name__ for c in type(trainer).__mro__[:2]],
+                   "fit": names(fit), "mine_kept": mine in fit.callbacks, "own": names(own),
+                   "legacy": names(legacy)}, f)
+"""
+
+DROPIN_RUN = """
+import json, runpy, sys
+import lightning.pytorch as pl, pytorch_lightning, transformers, transformers.trainer
+from syncless.doctor import _verify
+before = (transformers.Trainer, transformers.trainer.Trainer, pl.Trainer.__init__,
+          pytorch_lightning.Trainer.__init__)
+undo = _verify.apply(json.loads(sys.argv[1]))
+try:
+    runpy.run_path("train.py", run_name="__main__")
+finally:
+    undo()
+after = (transformers.Trainer, transformers.trainer.Trainer, pl.Trainer.__init__,
+         pytorch_lightning.Trainer.__init__)
+print("restored" if after == before else f"not restored: {before} -> {after}")
+"""
+
+
+@pytest.mark.slow
+def test_apply_makes_the_scripts_trainers_syncless_and_restores_them(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(DROPIN_SCRIPT))
+    r = subprocess.run([sys.executable, "-c", DROPIN_RUN,
+                        json.dumps({"dropin": ["transformers", "lightning"]})],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("restored"), r.stdout
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["trainer"] == ["SynclessTrainer", "SynclessTrainerMixin"]
+    assert seen["fit"] == ["SynclessLogging"] and seen["mine_kept"] is True
+    assert seen["own"] == ["SynclessLogging"], "a Trainer that has one gets no second"
+    assert seen["legacy"] == ["SynclessLogging"], "pytorch_lightning's Trainer too"
+    # Without the setting the same script runs the frameworks' own classes.
+    r = subprocess.run([sys.executable, "-c", DROPIN_RUN, "{}"], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen["trainer"][0] == "Trainer"
+    assert (seen["fit"], seen["legacy"]) == ([], [])
+
+
+def test_apply_names_the_drop_ins_it_knows():
+    with pytest.raises(ValueError, match="no syncless drop-in for 'keras'"):
+        _verify.apply({"dropin": ["keras"]})
+
+
+def test_apply_swaps_the_trainer_classes_in_process_and_puts_them_back():
+    # The quick twin of the test above: the classes a script would import, without running one.
+    import lightning.pytorch as pl
+    import transformers
+    import transformers.trainer
+    from syncless import hf, lightning
+    trainer, init = transformers.Trainer, pl.Trainer.__init__
+    undo = _verify.apply({"dropin": ["transformers", "lightning"]})
+    try:
+        from transformers import Trainer
+        assert Trainer is hf.SynclessTrainer and transformers.trainer.Trainer is Trainer
+        mine = pl.Callback()
+        fit = pl.Trainer(callbacks=mine, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         accelerator="cpu", devices=1)
+        added = [c for c in fit.callbacks if isinstance(c, lightning.SynclessLogging)]
+        assert len(added) == 1 and mine in fit.callbacks
+    finally:
+        undo()
+    assert (transformers.Trainer, transformers.trainer.Trainer) == (trainer, trainer)
+    assert pl.Trainer.__init__ is init
+
+
+def _frame_at(module, function, needle):
+    """A Frame at the first line of `function` in the installed `module` that holds `needle`."""
+    import inspect
+    from syncless.doctor._frames import Frame
+    src = inspect.getsource(module).splitlines()
+    start = next(i for i, l in enumerate(src) if f"def {function}(" in l)
+    line = next(i for i, l in enumerate(src[start:], start + 1) if needle in l)
+    return Frame(module.__file__, line, function)
+
+
+def test_trainer_internal_syncs_name_synclesstrainer_beside_training_arguments():
+    from syncless.doctor._frameworks import framework_fix
+    trainer = pytest.importorskip("transformers.trainer")
+    ops = pytest.importorskip("accelerate.utils.operations")
+    run = _frame_at(trainer, "_run_epoch", "torch.isnan(tr_loss_step)")
+    logging_step = _frame_at(trainer, "_maybe_log_save_evaluate", "parallel_mode).mean().item()")
+    tokens = _frame_at(trainer, "_track_num_input_tokens", ".sum().item()")
+    copy = _frame_at(ops, "send_to_device", "non_blocking=non_blocking)")
+    said = "syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
+    cases = [((run,), "logging_nan_inf_filter", "TrainingArguments(logging_nan_inf_filter=False)",
+              "runs the same filter on the device"),
+             ((logging_step, run), "logging step", "TrainingArguments(logging_steps=",
+              "keeps the logging step's loss and grad norm on the device"),
+             ((tokens, run), "include_num_input_tokens_seen",
+              "TrainingArguments(include_num_input_tokens_seen='no')",
+              "counts the tokens without a host read"),
+             ((copy, run), "blocking batch copy", "the batch is copied to the GPU",
+              "makes the Trainer's batch copies non-blocking when its loader pins memory")]
+    for chain, setting, fix, dropin in cases:
+        fw = framework_fix(chain)
+        assert fw is not None and fw.setting == setting, (setting, fw)
+        assert fw.fix.startswith(fix), fw.fix
+        assert fw.dropin == "transformers" and fw.dropin_fix.startswith(said + dropin), fw
+    assert "TrainingArguments(accelerator_config={'non_blocking': True})" in \
+        framework_fix((copy, run)).fix
+    # The same copy made by accelerate in a loop of the user's own: no Trainer to swap.
+    alone = framework_fix((copy,))
+    assert (alone.setting, alone.dropin, alone.dropin_fix) == ("blocking batch copy", "", "")
+    # The evaluation loop's NaN check: SynclessTrainer leaves evaluation as it is.
+    evaluation = _frame_at(trainer, "evaluation_loop", "logging_nan_inf_filter and finite")
+    fw = framework_fix((evaluation,))
+    assert fw.setting == "logging_nan_inf_filter" and fw.dropin == ""
+
+
+def test_lightning_logging_syncs_name_synclesslogging():
+    from syncless.doctor._frameworks import framework_fix
+    result = pytest.importorskip("lightning.pytorch.trainer.connectors.logger_connector.result")
+    from lightning.pytorch.core import module
+    from lightning.pytorch.trainer.connectors.logger_connector import logger_connector
+    pbar = _frame_at(result, "metrics", 'metrics["pbar"]')
+    to_loggers = _frame_at(logger_connector, "log_metrics", "convert_tensors_to_scalars")
+    step = _frame_at(logger_connector, "update_train_step_metrics", "self.log_metrics(")
+    epoch = _frame_at(logger_connector, "update_train_epoch_metrics", "self.log_metrics(")
+    number = _frame_at(module, "__to_tensor", "torch.tensor(value")
+    said = "Trainer(callbacks=[syncless.lightning.SynclessLogging()]): "
+    for chain, setting in (((pbar,), "prog_bar"), ((to_loggers, step), "logged step values"),
+                           ((number,), "self.log(float)")):
+        fw = framework_fix(chain)
+        assert fw is not None and fw.setting == setting, (setting, fw)
+        assert fw.dropin == "lightning" and fw.dropin_fix.startswith(said), fw
+    assert "log_every_n_steps" in framework_fix((to_loggers, step)).fix
+    # Epoch values: Lightning reads each once an epoch, with or without the callback.
+    assert framework_fix((to_loggers, epoch)) is None
+
+
+HF_TINY = """
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 100000
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.tensor([(i + k) % 47 + 1 for k in range(8)]),
+                    "labels": torch.tensor(i % 2)}
+
+    if __name__ == "__main__":
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=32,
+                            max_position_embeddings=8)
+        args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=200,
+                                 logging_steps=10, save_strategy="no", report_to="none",
+                                 disable_tqdm=True, use_cpu=True)
+        trainer = Trainer(model=BertForSequenceClassification(config), args=args,
+                          train_dataset=Tokens())
+        with open("classes.txt", "a") as f:
+            print(type(trainer).__name__, file=f)
+        trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_verify_measures_the_synclesstrainer_drop_in_in_paired_runs(tmp_path):
+    # A finding for the Trainer's NaN/Inf filter, as the CUPTI audit makes it on a GPU (the line
+    # is the installed Trainer's own), verified on CPU in real runs of a tiny HF Trainer script:
+    # the drop-in is applied in exactly the "with" runs, and kept only if its interval wins (on
+    # a CPU there is no sync to remove, so whether it wins is this host's noise).
+    import inspect
+    trainer = pytest.importorskip("transformers.trainer")
+    from syncless.doctor._frames import Frame, caller_site
+    from syncless.doctor.audit import SYNC, Audit
+    from syncless.doctor.diagnose import Measured, assess
+    from syncless.doctor.monitor import MonitorSummary
+    src = inspect.getsource(trainer).splitlines()
+    nan_line = next(i for i, l in enumerate(src, 1) if "torch.isnan(tr_loss_step)" in l)
+    frame = Frame(trainer.__file__, nan_line, "_run_epoch")
+    site = caller_site(0)._replace(code="trainer.train()", via=frame.where, chain=(frame,))
+    audit = Audit(steps=4)
+    audit.backend, audit.elapsed_s = "cupti", 0.01
+    for _ in range(4):
+        audit._add(audit.sites, site, "cudaStreamSynchronize", SYNC, 2_000_000, True)
+    d = assess(Measured(MonitorSummary(20, 0.0, 12.0, 12.0, None, 0, None, 0.0, {}), audit, 2,
+                        12.0, True, 11.0, 9.0, 3))
+    [f] = [f for f in d.findings if f.kind == "framework"]
+    assert _verify.setting_fixes(d) == [
+        (f, "syncless.hf.SynclessTrainer(...) in place of Trainer(...)",
+         {"dropin": "transformers"})]
+    (tmp_path / "train.py").write_text(textwrap.dedent(HF_TINY))
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=5, steps=20, pairs=2,
+                         timeout_s=300, cwd=str(tmp_path))
+    [line] = _verify.verify(d, v, {}, cpus=2)
+    print(line)
+    classes = (tmp_path / "classes.txt").read_text().split()
+    assert v.runs == 4 and sorted(classes) == ["SynclessTrainer"] * 2 + ["Trainer"] * 2
+    assert classes == ["Trainer", "SynclessTrainer", "SynclessTrainer", "Trainer"], "A B, B A"
+    r = f.verified
+    assert r is not None and len(r["runs"]["with"]) == len(r["runs"]["without"]) == 2
+    assert r["kept"] == (r["ci_high_ms"] < r["baseline_ms"])
+    assert line.startswith("syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
+                           f"{r['baseline_ms']:.2f} -> {r['measured_ms']:.2f} ms/step")
+    assert line.endswith(": kept" if r["kept"] else
+                         ": not kept (the interval does not say it wins)"), line

@@ -12,6 +12,10 @@ setting applied from outside the code:
             Trainer's dataloader_num_workers, dataloader_pin_memory,
             dataloader_persistent_workers, torch_compile, torch_compile_mode,
             accelerator_config={"non_blocking": True}): the fix as an HF Trainer user writes it
+  dropin    syncless's drop-in for the framework's loop: "transformers" makes the script's
+            `Trainer` (transformers.Trainer, transformers.trainer.Trainer) a
+            syncless.hf.SynclessTrainer; "lightning" appends SynclessLogging() to the callbacks
+            of every lightning.pytorch / pytorch_lightning Trainer the script makes
 
 A Lightning Trainer runs the user's own DataLoader and model: its loader fix is the DataLoader's
 arguments (loader), its compile the model's (compile).
@@ -21,6 +25,8 @@ fix is kept only when the 95% interval of its paired difference lies below zero.
 comes from a sweep: each candidate count timed once, the fastest then verified in pairs."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import json
 import math
@@ -31,6 +37,8 @@ import sys
 import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
+
+from ._frameworks import DROPINS
 
 if TYPE_CHECKING:
     from .diagnose import Diagnosis
@@ -60,6 +68,12 @@ def apply(settings: dict[str, Any]) -> Callable[[], None]:
     """Apply `settings` (what --apply carries) to this process before the script runs; returns
     the function that undoes it."""
     import torch
+    dropin = settings.get("dropin") or ()
+    dropins = [dropin] if isinstance(dropin, str) else list(dropin)
+    unknown = [n for n in dropins if n not in DROPINS]
+    if unknown:                  # before anything is applied: nothing is left to undo
+        raise ValueError(f"--apply: no syncless drop-in for {unknown[0]!r} (one of "
+                         f"{', '.join(map(repr, DROPINS))})")
     undo: list[Callable[[], None]] = []
     loader = settings.get("loader")
     if loader:
@@ -78,6 +92,9 @@ def apply(settings: dict[str, Any]) -> Callable[[], None]:
     hf = settings.get("hf")
     if hf:
         undo.append(_patch_training_arguments(hf))
+    for name in dropins:
+        undo.append(_trainer_dropin() if name == "transformers" else _logging_dropin())
+
     def undo_all() -> None:
         for u in reversed(undo):
             u()
@@ -130,6 +147,58 @@ def _patch_training_arguments(overrides: dict[str, Any]) -> Callable[[], None]:
 
     def restore() -> None:
         setattr(TrainingArguments, "__post_init__", original)
+    return restore
+
+
+def _trainer_dropin() -> Callable[[], None]:
+    """The script's `Trainer` is syncless.hf.SynclessTrainer: set where `from transformers import
+    Trainer` and `transformers.trainer.Trainer` find it, before the script imports it."""
+    import transformers
+    import transformers.trainer
+    from .. import hf
+    trainer = transformers.trainer.Trainer
+    syncless = hf.SynclessTrainer
+    setattr(transformers, "Trainer", syncless)
+    setattr(transformers.trainer, "Trainer", syncless)
+
+    def restore() -> None:
+        setattr(transformers, "Trainer", trainer)
+        setattr(transformers.trainer, "Trainer", trainer)
+    return restore
+
+
+def _logging_dropin() -> Callable[[], None]:
+    """Every Lightning Trainer the script makes gets a SynclessLogging() after its own callbacks
+    (none when it has one already): lightning.pytorch's and pytorch_lightning's, those installed."""
+    from .. import lightning
+    undo: list[Callable[[], None]] = []
+    for package, attr in (("lightning.pytorch", "SynclessLogging"),
+                          ("pytorch_lightning", "SynclessLoggingPL")):
+        if importlib.util.find_spec(package.split(".")[0]) is None:
+            continue
+        cls = importlib.import_module(package).Trainer
+        undo.append(_with_callback(cls, getattr(lightning, attr)))
+
+    def restore() -> None:
+        for u in undo:
+            u()
+    return restore
+
+
+def _with_callback(trainer: type, callback: type) -> Callable[[], None]:
+    original = vars(trainer)["__init__"]
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = kwargs.get("callbacks") or []
+        given = [given] if not isinstance(given, (list, tuple)) else list(given)
+        if not any(isinstance(c, callback) for c in given):
+            kwargs["callbacks"] = [*given, callback()]
+        original(self, *args, **kwargs)
+
+    setattr(trainer, "__init__", init)
+
+    def restore() -> None:
+        setattr(trainer, "__init__", original)
     return restore
 
 
@@ -260,6 +329,9 @@ def setting_fixes(d: Diagnosis) -> list[Setting]:
                                                       "torch_compile_mode": "reduce-overhead"}}))
         elif f.kind == "launch-bound":
             out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"}))
+        elif f.kind == "framework" and f.extra.get("dropin") in DROPINS:
+            name = f.extra["dropin"]
+            out.append((f, DROPINS[name], {"dropin": name}))
     if d.gpu and d.verdict_kind == "GPU-bound" and any("TF32" in s or "tf32" in s
                                                       for s in d.speedups):
         out.append((None, "TF32", {"tf32": True}))
@@ -271,6 +343,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
     for the report."""
     lines: list[str] = []
     fixes = setting_fixes(d)
+    done: dict[str, dict[str, Any] | None] = {}    # a setting two findings share runs once
     for finding, label, settings in fixes:
         if label == "loader" and finding is not None:
             current = loader.get("num_workers") or 0
@@ -291,7 +364,12 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             if result is not None:
                 result["sweep"] = seen
         elif settings is not None:
-            result = verifier.paired(settings)
+            key = json.dumps(settings, sort_keys=True)
+            if key in done:                         # its line is written already
+                if finding is not None:
+                    finding.verified = done[key]
+                continue
+            result = done[key] = verifier.paired(settings)
         else:
             continue
         if finding is not None:

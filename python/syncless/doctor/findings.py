@@ -248,11 +248,16 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         if len(fixes) > 1:
             fix_objs[0] = Fix(fixes[0] + " (the prediction is for all of these settings)",
                               predicted, "setting")
+        # syncless's drop-in for the framework's loop, when it removes every one of these syncs.
+        dropins = {(fw.dropin, fw.dropin_fix) for _, fw, _, _ in sites}
+        dropin = next(iter(dropins)) if len(dropins) == 1 else ("", "")
+        if dropin[0]:
+            fix_objs.append(Fix(dropin[1], predicted, "dropin"))
         title = f"{name} syncs {count:g}×/step" + (f" ({setting})" if setting else "")
         out.append(Finding("framework", title, step_ms - (predicted or step_ms),
                            "\n".join(lines), fix_objs, sites[0][0].where,
                            {"blocked_ms": total, "per_step": count, "framework": name,
-                            "setting": setting}))
+                            "setting": setting, "dropin": dropin[0]}))
     return out
 
 
