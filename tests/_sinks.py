@@ -23,3 +23,17 @@ class Collect:
 
     def close(self):
         self.closed = True
+
+
+class Gated(Collect):
+    """A Collect whose write() first waits for `gate` (a threading.Event, set by the test) for
+    up to `timeout` seconds: a sink that holds its window until the test lets it go."""
+
+    def __init__(self, timeout=60):
+        super().__init__()
+        self.gate = threading.Event()
+        self.timeout = timeout
+
+    def write(self, rows):
+        self.gate.wait(self.timeout)
+        super().write(rows)

@@ -11,7 +11,7 @@ import torch
 
 import syncless
 from syncless.sinks import CSV, JSONL, Callback
-from _sinks import Collect
+from _sinks import Collect, Gated
 
 
 def scalar(value, device, dtype=torch.float32):
@@ -222,14 +222,8 @@ def test_a_failing_sink_is_reported_once_and_others_keep_everything(device, capl
 
 
 def test_slow_sinks_make_the_logger_wait_not_drop(device):
-    gate = threading.Event()
-
-    class Slow(Collect):
-        def write(self, rows):
-            gate.wait(5)
-            super().write(rows)
-
-    sink = Slow()
+    sink = Gated(timeout=5)
+    gate = sink.gate
     log = syncless.Logger(every=2, sinks=sink, windows=1)
     releaser = threading.Timer(0.3, gate.set)
     releaser.start()

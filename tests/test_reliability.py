@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import syncless
-from syncless.sinks import JSONL, Callback
-from _sinks import Collect
+from syncless.sinks import JSONL
+from _sinks import Collect, Gated
 
 
 def value(v, device):
@@ -129,15 +129,9 @@ def test_a_handler_landing_inside_the_window_pool_can_hand_over_on_the_same_thre
 
 
 def test_ctrl_c_while_log_waits_for_a_window_loses_nothing(device):
-    gate = threading.Event()
-    got = Collect()
-
-    class Slow:
-        def write(self, rows):
-            gate.wait(60)
-            got.write(rows)
-
-    log = syncless.Logger(every=2, windows=1, sinks=[Slow()])
+    got = Gated()
+    gate = got.gate
+    log = syncless.Logger(every=2, windows=1, sinks=[got])
     main = threading.get_ident()
 
     def interrupt_once_waiting():
@@ -481,15 +475,9 @@ def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(dev
     """log() waits for a free window (the sink holds the only one); a signal handler's flush()
     runs inside that wait, waits for the same window, hands the rows over and returns once they
     are out; then the interrupted log() goes on and hands nothing over twice."""
-    gate, in_handler = threading.Event(), threading.Event()
-    got, flushed = Collect(), []
-
-    class Slow:
-        def write(self, rows):
-            gate.wait(60)
-            got.write(rows)
-
-    log = syncless.Logger(every=2, windows=1, sinks=[Slow()])
+    got, in_handler, flushed = Gated(), threading.Event(), []
+    gate = got.gate
+    log = syncless.Logger(every=2, windows=1, sinks=[got])
     main = threading.get_ident()
 
     def handler(signum, frame):
