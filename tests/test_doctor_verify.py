@@ -345,6 +345,63 @@ def test_apply_swaps_the_trainer_classes_in_process_and_puts_them_back():
     assert pl.Trainer.__init__ is init
 
 
+def test_apply_sets_lightning_trainer_arguments_in_process_and_puts_them_back():
+    import lightning.pytorch as pl
+    init = pl.Trainer.__init__
+    kwargs = dict(logger=False, enable_checkpointing=False, enable_model_summary=False,
+                  accelerator="cpu", devices=1)
+    assert pl.Trainer(**kwargs).progress_bar_callback is not None, "Lightning's default"
+    undo = _verify.apply({"lightning": {"enable_progress_bar": False},
+                          "dropin": "lightning"})
+    try:
+        fit = pl.Trainer(enable_progress_bar=True, **kwargs)   # the script's own value loses
+        assert fit.progress_bar_callback is None
+        assert [type(c).__name__ for c in fit.callbacks].count("SynclessLogging") == 1
+    finally:
+        undo()
+    assert pl.Trainer.__init__ is init
+    assert pl.Trainer(**kwargs).progress_bar_callback is not None
+
+
+def test_a_framework_finding_verifies_its_setting_and_its_drop_in():
+    from syncless.doctor._frameworks import applied_label
+    from syncless.doctor.diagnose import Diagnosis
+    from syncless.doctor.findings import Finding
+    both = Finding("framework", "lightning syncs 2×/step (prog_bar)", 1.0, "", [], "",
+                   {"apply": {"lightning": {"enable_progress_bar": False}},
+                    "dropin": "lightning"})
+    dropin_only = Finding("framework", "lightning syncs 1×/step (logged step values)", 1.0, "",
+                          [], "", {"apply": None, "dropin": "lightning"})
+    neither = Finding("framework", "torchmetrics syncs 1×/step (nan_strategy)", 1.0, "", [], "",
+                      {"apply": None, "dropin": ""})
+    d = Diagnosis.__new__(Diagnosis)
+    d.findings, d.gpu, d.framework = [both, dropin_only, neither], True, "lightning"
+    d.verdict_kind, d.speedups = "CPU-bound", []
+    label = "Trainer(callbacks=[syncless.lightning.SynclessLogging()])"
+    assert applied_label(both.extra["apply"]) == "Trainer(enable_progress_bar=False)"
+    assert _verify.setting_fixes(d) == [
+        (both, "Trainer(enable_progress_bar=False)", {"lightning": {"enable_progress_bar": False}},
+         "verified"),
+        (both, label, {"dropin": "lightning"}, "dropin_verified"),
+        (dropin_only, label, {"dropin": "lightning"}, "verified")]
+
+    class Canned:                     # paired results as runs would give them: the setting wins
+        runs, seconds = 0, 0.0
+
+        def paired(self, settings):
+            wins = "lightning" in settings
+            return {"measured_ms": 8.0 if wins else 10.1, "ci_low_ms": 7.0 if wins else 9.0,
+                    "ci_high_ms": 9.0 if wins else 11.0, "baseline_ms": 10.0, "kept": wins,
+                    "runs": {}}
+    lines = _verify.verify(d, Canned(), {}, cpus=2)
+    assert both.verified["kept"] and not both.extra["dropin_verified"]["kept"]
+    assert dropin_only.verified is both.extra["dropin_verified"], "one setting, measured once"
+    assert lines[0].startswith("Trainer(enable_progress_bar=False): 10.00 -> 8.00 ms/step")
+    assert lines[0].endswith(": kept")
+    assert lines[-1].startswith("torchmetrics syncs 1×/step (nan_strategy): a change in the code")
+    assert neither.verified is None
+
+
 def _frame_at(module, function, needle):
     """A Frame at the first line of `function` in the installed `module` that holds `needle`."""
     import inspect
@@ -387,6 +444,16 @@ def test_trainer_internal_syncs_name_synclesstrainer_beside_training_arguments()
     evaluation = _frame_at(trainer, "evaluation_loop", "logging_nan_inf_filter and finite")
     fw = framework_fix((evaluation,))
     assert fw.setting == "logging_nan_inf_filter" and fw.dropin == ""
+    # What --verify applies from outside: each setting that has one value; the logging interval
+    # is the user's to choose, and accelerate alone has no Trainer to take the setting.
+    applied = {setting: framework_fix(chain).apply for chain, setting, _, _ in cases}
+    assert applied == {
+        "logging_nan_inf_filter": {"hf": {"logging_nan_inf_filter": False}},
+        "logging step": None,
+        "include_num_input_tokens_seen": {"hf": {"include_num_input_tokens_seen": "no"}},
+        "blocking batch copy": {"hf": {"dataloader_pin_memory": True,
+                                       "accelerator_config": {"non_blocking": True}}}}
+    assert fw.apply == {"hf": {"logging_nan_inf_filter": False}} and alone.apply is None
 
 
 def test_lightning_logging_syncs_name_synclesslogging():
@@ -406,6 +473,8 @@ def test_lightning_logging_syncs_name_synclesslogging():
         assert fw is not None and fw.setting == setting, (setting, fw)
         assert fw.dropin == "lightning" and fw.dropin_fix.startswith(said), fw
     assert "log_every_n_steps" in framework_fix((to_loggers, step)).fix
+    assert framework_fix((pbar,)).apply == {"lightning": {"enable_progress_bar": False}}
+    assert framework_fix((to_loggers, step)).apply is None, "the interval is the user's to choose"
     # Epoch values: Lightning reads each once an epoch, with or without the callback.
     assert framework_fix((to_loggers, epoch)) is None
 
@@ -435,17 +504,18 @@ HF_TINY = """
         trainer = Trainer(model=BertForSequenceClassification(config), args=args,
                           train_dataset=Tokens())
         with open("classes.txt", "a") as f:
-            print(type(trainer).__name__, file=f)
+            print(f"{type(trainer).__name__}:{trainer.args.logging_nan_inf_filter}", file=f)
         trainer.train()
 """
 
 
 @pytest.mark.slow
-def test_verify_measures_the_synclesstrainer_drop_in_in_paired_runs(tmp_path):
+def test_verify_measures_the_trainers_setting_and_the_drop_in_in_paired_runs(tmp_path):
     # A finding for the Trainer's NaN/Inf filter, as the CUPTI audit makes it on a GPU (the line
     # is the installed Trainer's own), verified on CPU in real runs of a tiny HF Trainer script:
-    # the drop-in is applied in exactly the "with" runs, and kept only if its interval wins (on
-    # a CPU there is no sync to remove, so whether it wins is this host's noise).
+    # its TrainingArguments setting and the drop-in, each applied in exactly its "with" runs and
+    # kept only if its interval wins (on a CPU there is no sync to remove, so whether either wins
+    # is this host's noise).
     import inspect
     trainer = pytest.importorskip("transformers.trainer")
     from syncless.doctor._frames import Frame, caller_site
@@ -464,20 +534,30 @@ def test_verify_measures_the_synclesstrainer_drop_in_in_paired_runs(tmp_path):
                         12.0, True, 11.0, 9.0, 3))
     [f] = [f for f in d.findings if f.kind == "framework"]
     assert _verify.setting_fixes(d) == [
+        (f, "TrainingArguments(logging_nan_inf_filter=False)",
+         {"hf": {"logging_nan_inf_filter": False}}, "verified"),
         (f, "syncless.hf.SynclessTrainer(...) in place of Trainer(...)",
-         {"dropin": "transformers"})]
+         {"dropin": "transformers"}, "dropin_verified")]
     (tmp_path / "train.py").write_text(textwrap.dedent(HF_TINY))
     v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=5, steps=20, pairs=2,
                          timeout_s=300, cwd=str(tmp_path))
-    [line] = _verify.verify(d, v, {}, cpus=2)
-    print(line)
-    classes = (tmp_path / "classes.txt").read_text().split()
-    assert v.runs == 4 and sorted(classes) == ["SynclessTrainer"] * 2 + ["Trainer"] * 2
-    assert classes == ["Trainer", "SynclessTrainer", "SynclessTrainer", "Trainer"], "A B, B A"
-    r = f.verified
-    assert r is not None and len(r["runs"]["with"]) == len(r["runs"]["without"]) == 2
-    assert r["kept"] == (r["ci_high_ms"] < r["baseline_ms"])
-    assert line.startswith("syncless.hf.SynclessTrainer(...) in place of Trainer(...): "
-                           f"{r['baseline_ms']:.2f} -> {r['measured_ms']:.2f} ms/step")
-    assert line.endswith(": kept" if r["kept"] else
-                         ": not kept (the interval does not say it wins)"), line
+    lines = _verify.verify(d, v, {}, cpus=2)
+    print("\n".join(lines))
+    runs = (tmp_path / "classes.txt").read_text().split()
+    assert v.runs == 8
+    # A B, B A for the setting, then for the drop-in; the baseline is the script as written.
+    assert runs == ["Trainer:True", "Trainer:False", "Trainer:False", "Trainer:True",
+                    "Trainer:True", "SynclessTrainer:True", "SynclessTrainer:True",
+                    "Trainer:True"], runs
+    for r, line, label in ((f.verified, lines[0], "TrainingArguments(logging_nan_inf_filter="
+                            "False)"),
+                           (f.extra["dropin_verified"], lines[1],
+                            "syncless.hf.SynclessTrainer(...) in place of Trainer(...)")):
+        assert r is not None and len(r["runs"]["with"]) == len(r["runs"]["without"]) == 2
+        assert r["kept"] == (r["ci_high_ms"] < r["baseline_ms"])
+        assert line.startswith(f"{label}: {r['baseline_ms']:.2f} -> {r['measured_ms']:.2f} "
+                               "ms/step"), line
+        assert line.endswith(": kept" if r["kept"] else
+                             ": not kept (the interval does not say it wins)"), line
+    assert json.loads(json.dumps(f.as_dict()))["dropin_verified"]["runs"] == \
+        f.extra["dropin_verified"]["runs"], "in the --json file"

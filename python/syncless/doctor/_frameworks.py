@@ -7,11 +7,11 @@ above each frame (a condition split over lines names its setting on the line bef
 from __future__ import annotations
 
 from types import FrameType
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from ._frames import Frame
 
-__all__ = ["DROPINS", "FrameworkFix", "framework_fix", "stack_framework"]
+__all__ = ["DROPINS", "FrameworkFix", "applied_label", "framework_fix", "stack_framework"]
 
 # syncless's drop-in for each framework's own loop, as its user writes it: one line.
 DROPINS = {"transformers": "syncless.hf.SynclessTrainer(...) in place of Trainer(...)",
@@ -25,6 +25,29 @@ class FrameworkFix(NamedTuple):
     setting: str = ""      # what the fix changes, in a word or two (the finding's title says it)
     dropin: str = ""       # the DROPINS key whose drop-in removes this sync too, or ""
     dropin_fix: str = ""   # that drop-in's line and what it does about this sync
+    apply: dict[str, Any] | None = None   # the fix as --verify applies it from outside, or None
+
+
+# The settings --verify applies from outside the script for a rule's fix, by (framework, setting).
+# A fix with no one value ("logging_steps=<more steps>", a metric's nan_strategy, a code change)
+# is the user's to choose: its prediction stands, unmeasured. The batch copy's setting is the
+# Trainer's: applied only where a Trainer made the copy.
+_APPLY: dict[tuple[str, str], dict[str, Any]] = {
+    ("transformers", "logging_nan_inf_filter"): {"hf": {"logging_nan_inf_filter": False}},
+    ("transformers", "include_num_input_tokens_seen"):
+        {"hf": {"include_num_input_tokens_seen": "no"}},
+    ("transformers", "mask checks"): {"hf": {"torch_compile": True}},
+    ("accelerate", "blocking batch copy"):
+        {"hf": {"dataloader_pin_memory": True, "accelerator_config": {"non_blocking": True}}},
+    ("lightning", "prog_bar"): {"lightning": {"enable_progress_bar": False}},
+}
+
+
+def applied_label(settings: dict[str, Any]) -> str:
+    """A setting of _APPLY as its user writes it: `TrainingArguments(...)`, `Trainer(...)`."""
+    owner, values = next(iter(settings.items()))
+    call = {"hf": "TrainingArguments", "lightning": "Trainer"}[owner]
+    return f"{call}(" + ", ".join(f"{k}={v!r}" for k, v in values.items()) + ")"
 
 
 # A rule's answer: (fix, setting) or (fix, setting, drop-in key, what the drop-in does).
@@ -153,10 +176,13 @@ def framework_fix(chain: tuple[Frame, ...]) -> FrameworkFix | None:
             fix = _torchmetrics(frame, text)
         if fix:
             said, setting, *dropin = fix
+            apply = _APPLY.get((pkg, setting))
+            if pkg == "accelerate" and not dropin:
+                apply = None                # accelerate in a loop of the user's own
             if dropin:
                 return FrameworkFix(pkg, frame, said, setting, dropin[0],
-                                    f"{DROPINS[dropin[0]]}: {dropin[1]}")
-            return FrameworkFix(pkg, frame, said, setting)
+                                    f"{DROPINS[dropin[0]]}: {dropin[1]}", apply)
+            return FrameworkFix(pkg, frame, said, setting, apply=apply)
     return None
 
 

@@ -12,6 +12,8 @@ setting applied from outside the code:
             Trainer's dataloader_num_workers, dataloader_pin_memory,
             dataloader_persistent_workers, torch_compile, torch_compile_mode,
             accelerator_config={"non_blocking": True}): the fix as an HF Trainer user writes it
+  lightning lightning.pytorch / pytorch_lightning Trainer arguments replaced for every Trainer
+            the script makes (enable_progress_bar=False)
   dropin    syncless's drop-in for the framework's loop: "transformers" makes the script's
             `Trainer` (transformers.Trainer, transformers.trainer.Trainer) a
             syncless.hf.SynclessTrainer; "lightning" appends SynclessLogging() to the callbacks
@@ -19,6 +21,11 @@ setting applied from outside the code:
 
 A Lightning Trainer runs the user's own DataLoader and model: its loader fix is the DataLoader's
 arguments (loader), its compile the model's (compile).
+
+A framework's sync can have two fixes: its own setting (logging_nan_inf_filter=False,
+enable_progress_bar=False) and syncless's drop-in. Each is measured; the finding's `verified` holds
+the setting's result and `dropin_verified` the drop-in's (`verified` the drop-in's when the sync has
+no setting with one value to apply).
 
 Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike); the
 fix is kept only when the 95% interval of its paired difference lies below zero. The worker count
@@ -38,7 +45,7 @@ import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._frameworks import DROPINS
+from ._frameworks import DROPINS, applied_label
 
 if TYPE_CHECKING:
     from .diagnose import Diagnosis
@@ -92,6 +99,9 @@ def apply(settings: dict[str, Any]) -> Callable[[], None]:
     hf = settings.get("hf")
     if hf:
         undo.append(_patch_training_arguments(hf))
+    trainer_args = settings.get("lightning")
+    if trainer_args:
+        undo.append(_lightning_trainers(lambda kwargs, _: kwargs.update(trainer_args)))
     for name in dropins:
         undo.append(_trainer_dropin() if name == "transformers" else _logging_dropin())
 
@@ -169,15 +179,25 @@ def _trainer_dropin() -> Callable[[], None]:
 
 def _logging_dropin() -> Callable[[], None]:
     """Every Lightning Trainer the script makes gets a SynclessLogging() after its own callbacks
-    (none when it has one already): lightning.pytorch's and pytorch_lightning's, those installed."""
+    (none when it has one already)."""
     from .. import lightning
-    undo: list[Callable[[], None]] = []
-    for package, attr in (("lightning.pytorch", "SynclessLogging"),
-                          ("pytorch_lightning", "SynclessLoggingPL")):
-        if importlib.util.find_spec(package.split(".")[0]) is None:
-            continue
-        cls = importlib.import_module(package).Trainer
-        undo.append(_with_callback(cls, getattr(lightning, attr)))
+
+    def with_callback(kwargs: dict[str, Any], package: str) -> None:
+        callback = lightning.SynclessLogging if package == "lightning.pytorch" else \
+            lightning.SynclessLoggingPL
+        given = kwargs.get("callbacks") or []
+        given = [given] if not isinstance(given, (list, tuple)) else list(given)
+        if not any(isinstance(c, callback) for c in given):
+            kwargs["callbacks"] = [*given, callback()]
+    return _lightning_trainers(with_callback)
+
+
+def _lightning_trainers(edit: Callable[[dict[str, Any], str], None]) -> Callable[[], None]:
+    """Every Lightning Trainer the script makes (lightning.pytorch's and pytorch_lightning's, those
+    installed) has its keyword arguments passed through `edit(kwargs, package)` first."""
+    undo = [_edit_init(importlib.import_module(package).Trainer, package, edit)
+            for package in ("lightning.pytorch", "pytorch_lightning")
+            if importlib.util.find_spec(package.split(".")[0]) is not None]
 
     def restore() -> None:
         for u in undo:
@@ -185,14 +205,12 @@ def _logging_dropin() -> Callable[[], None]:
     return restore
 
 
-def _with_callback(trainer: type, callback: type) -> Callable[[], None]:
+def _edit_init(trainer: type, package: str,
+               edit: Callable[[dict[str, Any], str], None]) -> Callable[[], None]:
     original = vars(trainer)["__init__"]
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        given = kwargs.get("callbacks") or []
-        given = [given] if not isinstance(given, (list, tuple)) else list(given)
-        if not any(isinstance(c, callback) for c in given):
-            kwargs["callbacks"] = [*given, callback()]
+        edit(kwargs, package)
         original(self, *args, **kwargs)
 
     setattr(trainer, "__init__", init)
@@ -314,28 +332,45 @@ def worker_candidates(current: int, needed: int | None, cpus: int) -> list[int]:
     return sorted(k for k in ks if 0 <= k <= min(top, 64))
 
 
-Setting = tuple["Finding | None", str, "dict[str, Any] | None"]
+# (finding, label, settings, slot): `slot` is where the result goes, the finding's "verified" or
+# its extra "dropin_verified".
+Setting = tuple["Finding | None", str, "dict[str, Any] | None", str]
 
 
 def setting_fixes(d: Diagnosis) -> list[Setting]:
-    """(finding, label, settings) for each fix --verify can apply from outside the code."""
+    """(finding, label, settings, slot) for each fix --verify can apply from outside the code."""
     out: list[Setting] = []
     for f in d.findings:
         if f.kind == "starvation":
-            out.append((f, "loader", None))          # settings chosen by the sweep
+            out.append((f, "loader", None, "verified"))          # settings chosen by the sweep
         elif f.kind == "launch-bound" and d.framework == "transformers":
             out.append((f, 'TrainingArguments(torch_compile=True, torch_compile_mode='
                         '"reduce-overhead")', {"hf": {"torch_compile": True,
-                                                      "torch_compile_mode": "reduce-overhead"}}))
+                                                      "torch_compile_mode": "reduce-overhead"}},
+                        "verified"))
         elif f.kind == "launch-bound":
-            out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"}))
-        elif f.kind == "framework" and f.extra.get("dropin") in DROPINS:
-            name = f.extra["dropin"]
-            out.append((f, DROPINS[name], {"dropin": name}))
+            out.append((f, "compile (reduce-overhead)", {"compile": "reduce-overhead"},
+                        "verified"))
+        elif f.kind == "framework":
+            apply, name = f.extra.get("apply"), f.extra.get("dropin")
+            if apply:
+                out.append((f, applied_label(apply), apply, "verified"))
+            if name in DROPINS:
+                out.append((f, DROPINS[name], {"dropin": name},
+                            "dropin_verified" if apply else "verified"))
     if d.gpu and d.verdict_kind == "GPU-bound" and any("TF32" in s or "tf32" in s
                                                       for s in d.speedups):
-        out.append((None, "TF32", {"tf32": True}))
+        out.append((None, "TF32", {"tf32": True}, "verified"))
     return out
+
+
+def _record(finding: Finding | None, slot: str, result: dict[str, Any] | None) -> None:
+    if finding is None:
+        return
+    if slot == "verified":
+        finding.verified = result
+    else:
+        finding.extra[slot] = result
 
 
 def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) -> list[str]:
@@ -344,7 +379,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
     lines: list[str] = []
     fixes = setting_fixes(d)
     done: dict[str, dict[str, Any] | None] = {}    # a setting two findings share runs once
-    for finding, label, settings in fixes:
+    for finding, label, settings, slot in fixes:
         if label == "loader" and finding is not None:
             current = loader.get("num_workers") or 0
             extra = {"persistent_workers": True}
@@ -366,14 +401,12 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
         elif settings is not None:
             key = json.dumps(settings, sort_keys=True)
             if key in done:                         # its line is written already
-                if finding is not None:
-                    finding.verified = done[key]
+                _record(finding, slot, done[key])
                 continue
             result = done[key] = verifier.paired(settings)
         else:
             continue
-        if finding is not None:
-            finding.verified = result
+        _record(finding, slot, result)
         if result is None:
             lines.append(f"{label}: not measured (a run failed or timed out)")
             continue
@@ -385,7 +418,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
             + (f"; sweep {sweep}" if finding is not None and finding.kind == "starvation"
                else ""))
-    checked = {id(f) for f, _, _ in fixes}
+    checked = {id(f) for f, _, _, _ in fixes}
     for f in d.findings:
         if id(f) not in checked:
             lines.append(f"{f.title}: a change in the code, not applied from outside: its "

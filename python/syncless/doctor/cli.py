@@ -157,7 +157,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     loader = d.summary.loader or {}
     runs = sum(2 * ns.verify_pairs + (len(_verify.worker_candidates(
         loader.get("num_workers") or 0, f.extra.get("workers_needed"), cpus))
-        if label == "loader" and f is not None else 0) for f, label, _ in fixes)
+        if label == "loader" and f is not None else 0) for f, label, _, _ in fixes)
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s

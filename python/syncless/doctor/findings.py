@@ -24,6 +24,7 @@ trace's sync idle 3.90 ms, measured 49.29 ms with 4 of them gone (48.71 + 5.89 /
 predicted)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -251,13 +252,16 @@ def sync_findings(audit: Any, step_ms: float, gpu_ms: float | None,
         # syncless's drop-in for the framework's loop, when it removes every one of these syncs.
         dropins = {(fw.dropin, fw.dropin_fix) for _, fw, _, _ in sites}
         dropin = next(iter(dropins)) if len(dropins) == 1 else ("", "")
+        # The setting --verify can apply from outside, when every site's fix is the same one.
+        applies = {json.dumps(fw.apply, sort_keys=True) for _, fw, _, _ in sites}
+        apply = json.loads(next(iter(applies))) if len(applies) == 1 else None
         if dropin[0]:
             fix_objs.append(Fix(dropin[1], predicted, "dropin"))
         title = f"{name} syncs {count:g}×/step" + (f" ({setting})" if setting else "")
         out.append(Finding("framework", title, step_ms - (predicted or step_ms),
                            "\n".join(lines), fix_objs, sites[0][0].where,
                            {"blocked_ms": total, "per_step": count, "framework": name,
-                            "setting": setting, "dropin": dropin[0]}))
+                            "setting": setting, "dropin": dropin[0], "apply": apply}))
     return out
 
 
