@@ -1215,10 +1215,14 @@ def test_cli_gpu_bound_script_gets_the_gpu_bound_verdict(tmp_path):
         model = model.to("cuda", torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    """, 80), "--steps", "20", timeout=120)     # 3 + 20 unobserved + 20 + 10 + 3 steps < 80
+    """, 120), "--steps", "20", timeout=120)    # 3 + up to 60 unobserved + 20 + 10 + 3 < 120
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "20 measured steps (+3 warm-up, 20 unobserved, 10 audited, 3 probed)" in out, out
+    # The unobserved window grows (up to 3x) while a stall was seen once only: on the H200 the
+    # host's first wait on a full launch queue read as one (37 unobserved steps).
+    header = re.search(r"20 measured steps \(\+3 warm-up, (\d+) unobserved, 10 audited, "
+                       r"3 probed\)", out)
+    assert header and 20 <= int(header[1]) <= 60, out
     assert "GPU work (" in out, out
     assert "Launch-bound" not in out, out
     assert "no findings: GPU-bound: the GPU works" in out, out
