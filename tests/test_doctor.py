@@ -74,7 +74,9 @@ def test_watch_measures_data_wait_and_cpu_time():
     assert m.steps == 8
     assert m.data_ms >= 15, f"a 20 ms __getitem__ must show >= 15 ms data wait, got {m.data_ms}"
     assert m.data_p90_ms >= 15
-    assert 4 <= m.cpu_ms < 15, f"the 5 ms body is CPU time, not data wait: {m.cpu_ms}"
+    # The 5-ms body is CPU time, not data wait (that would make it >= 25 ms); a loaded host
+    # stretches the sleep, hence the margin.
+    assert 4 <= m.cpu_ms < 20, f"the 5 ms body is CPU time, not data wait: {m.cpu_ms}"
     assert m.step_ms >= m.data_ms + 4
     assert m.loader["num_workers"] == 0
 
