@@ -142,6 +142,58 @@ def test_doctor_finds_starvation_with_loader_fix(capsys):
     assert "DataLoader starvation" in out and "data wait" in out and "verdict: data-bound" in out
 
 
+def test_a_batch_from_a_worker_costs_its_hand_over_which_bounds_the_loader_fix():
+    # Workers that keep up still hand each batch over: the training thread reads it from the
+    # queue and rebuilds its tensors from shared memory. That part of the wait stays.
+    from syncless.doctor._loader import HANDOFF_MAX_BYTES, batch_spec, handoff_ms
+    from syncless.doctor.findings import starvation_finding
+    batch = {"input_ids": torch.ones(8, 64, dtype=torch.long), "labels": torch.zeros(8),
+             "extra": [torch.ones(2, 3), 7, "name"]}
+    spec = batch_spec(batch)
+    assert spec["input_ids"].shape == (8, 64) and spec["input_ids"].dtype == torch.long
+    assert spec["extra"][1:] == [7, "name"]
+    assert batch_spec([1, "a"]) is None, "no tensor: nothing a worker hands over"
+    assert batch_spec(torch.ones(HANDOFF_MAX_BYTES // 4 + 1)) is None, "too large to copy here"
+    taken = handoff_ms(spec)                     # one real forked worker
+    assert taken is not None and 0 < taken < 1000, taken
+    # A 20-ms wait, 1 ms of it the hand-over: workers win back 19 ms of the 25-ms step.
+    f = starvation_finding(20.0, 25.0, None, {"num_workers": 0}, cpus=64, data_cpu=1.0,
+                           handoff_ms=1.0)
+    assert f.fixes[0].predicted_ms == pytest.approx(6.0), f.fixes[0]
+    assert "taking a ready batch from a worker costs 1.00 ms here (measured)" in f.detail
+    # A wait no longer than the hand-over: no worker wins it back, so no loader fix.
+    assert starvation_finding(0.3, 5.0, None, {"num_workers": 0}, cpus=64, data_cpu=1.0,
+                              handoff_ms=0.4) is None
+    assert starvation_finding(0.3, 5.0, None, {"num_workers": 0}, cpus=64,
+                              data_cpu=1.0) is not None, "unmeasured: the old model"
+
+
+class Cheap(Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        return {"x": torch.full((16,), float(i)), "y": torch.tensor(i % 3)}
+
+
+def test_doctor_weighs_a_small_data_wait_against_the_measured_hand_over():
+    # Batches made on the training thread in well under a millisecond: whether a worker could win
+    # the wait back depends on this host's hand-over cost, which the doctor measures. Either way
+    # its advice must follow from the two numbers it reports.
+    def step(batch):
+        time.sleep(0.005)
+
+    d = doctor(step, steps=8, warmup=2, loader=DataLoader(Cheap(), batch_size=4), file=None)
+    assert d.handoff_ms is not None and d.handoff_ms > 0, d.report()
+    assert d.as_dict()["handoff_ms"] == d.handoff_ms
+    f = d.finding("starvation")
+    if d.summary.data_ms <= d.handoff_ms:
+        assert f is None, d.report()
+        assert any("more loader workers would not win it back" in n for n in d.notes), d.notes
+    else:
+        assert f is not None and f"costs {d.handoff_ms:.2f} ms here" in f.detail, d.report()
+
+
 def test_doctor_times_dataloaders_the_step_fetches_itself():
     it = iter(DataLoader(SleepyDataset(64, 0.02), batch_size=1))
 

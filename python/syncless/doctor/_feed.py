@@ -8,7 +8,7 @@ import statistics
 import weakref
 from typing import Any, NamedTuple, Protocol
 
-from ._loader import loader_settings
+from ._loader import batch_spec, loader_settings
 from ._series import Series, split
 from .monitor import MonitorSummary, StepMonitor
 
@@ -55,6 +55,8 @@ class LoaderRecord:
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     data_wall_s: float = 0.0         # data wait whose CPU time was read ...
     data_cpu_s: float = 0.0          # ... and that CPU time
+    spec: Any = None                 # its first monitored batch's shapes (batch_spec), or None
+    specced: bool = False
 
     @property
     def name(self) -> str:
@@ -124,6 +126,18 @@ class Feed:
         rec.wait_s += seconds
         self._last = rec
         self.step_waits[id(dataset)] = self.step_waits.get(id(dataset), 0.0) + seconds
+
+    def loader_batch(self, iterator: Any, batch: Any) -> None:
+        """A batch a DataLoader iterator yielded in a monitored step: the first one's shapes,
+        for the hand-over probe."""
+        rec = self._last
+        if rec is not None and not rec.specced:
+            rec.spec, rec.specced = batch_spec(batch), True
+
+    def handoff_spec(self) -> Any:
+        """The shapes of a batch of the loader that feeds the steps (the most next() calls)."""
+        recs = sorted(self.loaders.values(), key=lambda r: -r.calls)
+        return recs[0].spec if recs else None
 
     def add_data_cpu(self, wall: float, cpu: float) -> None:
         # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU

@@ -6,6 +6,7 @@ import dataclasses
 
 from ._boundary import ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_AT
 from ._frames import short
+from ._loader import handoff_ms
 from ._series import Series, Stalls
 from ._session import PHASES, ScriptSession
 from .diagnose import Diagnosis, Measured, assess, launch_cost_us
@@ -31,13 +32,16 @@ def diagnosis(s: ScriptSession, boundary: str | None = None) -> Diagnosis:
     monitored = max(1, s.done["monitor"])
     probe = s.probing.probe
     opt_s = s.watching.optimizer_s
+    # What a worker's batch costs the training thread to take, where the step waits for data:
+    # workers cannot win back that much of the wait.
+    handoff = handoff_ms(s.feed.handoff_spec()) if m.data_ms >= 0.05 and m.loader else None
     d = assess(Measured(
         m, s.audit, warmup, step_ms, gpu, m.gpu_ms, s.probing.gpu_pure_ms,
         probe.steps if probe else 0, notes, kernel_time=s.tracing.kernel_time,
         launch_us=launch_cost_us() if gpu else None, sampler=s.sampler,
         boundary=boundary if boundary is not None else boundary_text(s),
         optimizer_ms=opt_s * 1e3 / monitored if opt_s else None,
-        model=s.bounds.model, autocast=s.bounds.autocast))
+        model=s.bounds.model, autocast=s.bounds.autocast, handoff_ms=handoff))
     if s.tracing.traced:
         d.trace = s.trace
     if d.summary.steps:                      # every monitored step, stalls or not

@@ -48,6 +48,7 @@ class Diagnosis:
     host_leads: bool = False           # without its syncs the host is well ahead of the GPU
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
+    handoff_ms: float | None = None    # taking one ready batch from a worker, measured here
     cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
@@ -128,6 +129,7 @@ class Diagnosis:
             "sync_idle_ms": self.sync_idle_ms, "sync_count": self.sync_count,
             "trace": dict(vars(self.kernel_time)) if self.kernel_time else None,
             "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
+            "handoff_ms": self.handoff_ms,
             "top_predicted_ms": top.predicted_ms if top else None,
             "findings": [f.as_dict() for f in self.findings],
             "minor": [f.as_dict() for f in self.minor], "settings": self.settings,
@@ -455,6 +457,7 @@ class Measured:
     optimizer_ms: float | None = None       # optimizer.step() host time per step
     model: Any = None                       # the outermost module called
     autocast: bool | None = None            # autocast on at its call
+    handoff_ms: float | None = None         # taking one ready batch from a worker (measured)
 
     @property
     def cupti(self) -> bool:
@@ -502,7 +505,7 @@ def _figures(m: Measured) -> Diagnosis:
                   boundary=m.boundary)
     if m.cupti:
         d.kernels = m.audit.kernels / m.audit.step_count
-    d.launch_us = m.launch_us
+    d.launch_us, d.handoff_ms = m.launch_us, m.handoff_ms
     d.gpu_busy_ms = m.gpu_span_ms or 0.0
     d.probe_steps = m.probe_steps if m.gpu_pure_ms is not None else 0
     kt = m.kernel_time
@@ -631,9 +634,15 @@ def _rank(d: Diagnosis, m: Measured, every_step: bool, optimizers: list[Any],
     # (2 cores: one worker took a CPU from torch, and the loop fell from 300-396 to 166-191 it/s).
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=m.gpu, copy_ms=copy_ms,
                            data_cpu=summary.data_cpu, host_ms=d.host_ms,
-                           trainer_cpus=1 if m.gpu else torch.get_num_threads())
+                           trainer_cpus=1 if m.gpu else torch.get_num_threads(),
+                           handoff_ms=m.handoff_ms)
     if f:
         findings.append(f)
+    elif m.handoff_ms is not None and 0.05 <= summary.data_ms <= m.handoff_ms:
+        d.notes.append(f"the step waits {summary.data_ms:.2f} ms for data, but taking a batch "
+                       f"that a worker has ready costs the training thread {m.handoff_ms:.2f} ms "
+                       "here (measured: one worker serving batches of the same shapes): more "
+                       "loader workers would not win it back")
     sampler = m.sampled()
     findings += sync_findings(audit, step, G, d.sync_cost_ms,
                               sampler.counts if sampler is not None else None,

@@ -96,15 +96,19 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                        loader: dict[str, Any],
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
-                       host_ms: float | None = None, trainer_cpus: int = 1
-                       ) -> Finding | None:
+                       host_ms: float | None = None, trainer_cpus: int = 1,
+                       handoff_ms: float | None = None) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
-    the step less its time blocked in syncs (None: the whole step)."""
+    the step less its time blocked in syncs (None: the whole step); `handoff_ms`: what taking a
+    ready batch from a worker costs the training thread (measured; None: not measured, taken
+    as 0), which the step still waits with workers that keep up."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
-    removed = data_ms + (copy_ms if pin else 0.0)
+    removed = max(0.0, data_ms - (handoff_ms or 0.0)) + (copy_ms if pin else 0.0)
+    if removed < 0.05:
+        return None                     # workers would not win it back (the caller says so)
     host = step_ms if host_ms is None else min(host_ms, step_ms)
     floor = gpu_ms or 0.0
     wins = max(host, floor) - max(host - removed, floor)
@@ -156,8 +160,11 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     # removing the wait could win at most: a data-bound step must not read as a minor finding.
     first = fixes[0].predicted_ms
     cost = wins if first is None else step_ms - min(first, step_ms)
+    handed = (f"; taking a ready batch from a worker costs {handoff_ms:.2f} ms here (measured), "
+              "which the step still waits" if handoff_ms else "")
     f = Finding("starvation", "DataLoader starvation", cost,
-                f"the step waits {data_ms:.2f} ms for data ({share:.0%} of {step_ms:.2f} ms)",
+                f"the step waits {data_ms:.2f} ms for data ({share:.0%} of {step_ms:.2f} ms)"
+                + handed,
                 fixes, extra={"workers_needed": plan.needed if plan.enough else None,
                               "per_worker_batch_ms": plan.per_batch_ms})
     return f
