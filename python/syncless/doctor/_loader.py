@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Mapping
 from time import perf_counter, thread_time
@@ -179,7 +180,10 @@ def handoff_ms(spec: Any) -> float | None:
     measured."""
     import multiprocessing
     from torch.utils.data import DataLoader
-    if spec is None or "fork" not in multiprocessing.get_all_start_methods():
+    # Forked, as a Linux DataLoader's workers are (elsewhere a fork is unsafe, and the queue
+    # cannot say when a batch is ready).
+    if spec is None or not sys.platform.startswith("linux") or \
+            "fork" not in multiprocessing.get_all_start_methods():
         return None
     it: Any = None
     try:
