@@ -805,3 +805,30 @@ def test_close_timeout_is_checked():
     with syncless.Logger(close_timeout=None) as log:
         log(x=1.0)
     assert log.stats.missing == 0
+
+
+def test_a_handlers_exception_inside_thread_start_comes_out_as_raised():
+    # CPython: a handler that raises while Thread.start()'s Event.wait() takes its lock back
+    # turns the exception into RuntimeError('release unlocked lock') (CI, ASan, 1 in 500 trials).
+    # The delivery thread's start gives the handler's own exception back.
+    import threading
+    from syncless._signals import start
+
+    class Stop(BaseException):
+        pass
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            lock = threading.Lock()
+            try:
+                raise Stop()                       # what the handler raised ...
+            finally:
+                lock.release()                     # ... and the `with` exit that followed
+
+    with pytest.raises(Stop):
+        start(Interrupted())
+    t = threading.Thread(target=lambda: None)
+    start(t)
+    t.join()
+    with pytest.raises(RuntimeError, match="threads can only be started once"):
+        start(t)                                   # any other RuntimeError is left as it is

@@ -36,6 +36,7 @@ import torch
 
 from ._delivery import Delivery, Job
 from ._late import Late
+from ._signals import start
 from ._torch import _C
 from .rows import Row
 
@@ -288,7 +289,7 @@ class ThreadHandover(Handover):
         self._used = True
         self._jobs.put(job)
         if not self._live:
-            threading.Thread(target=self._loop, name="syncless-delivery", daemon=True).start()
+            start(threading.Thread(target=self._loop, name="syncless-delivery", daemon=True))
             self._live = True
 
     def _wait_room(self) -> None:

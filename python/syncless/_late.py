@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ._signals import by_signal
+from ._signals import by_signal, start
 from ._torch import _C
 from .rows import Row
 
@@ -106,7 +106,7 @@ class LateValues:
                         except BaseException as exc:
                             box.append(exc)
                     t = threading.Thread(target=run, name="syncless-attach", daemon=True)
-                    t.start()
+                    start(t)
                     late.runner = t, box
             t, box = late.runner
             t.join(max(deadline - time.monotonic(), 0.05))
