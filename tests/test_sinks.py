@@ -1,6 +1,7 @@
 """The file sinks (CSV, JSONL) under what a long run meets: thousands of metric names, names that
 are not valid Unicode, symlinks, a full disk, a file size limit. Files are read back with the csv
 and json modules, as a user would."""
+import ast
 import csv
 import io
 import json
@@ -250,3 +251,62 @@ def test_jsonl_appends_by_default(tmp_path):
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == \
         [0.0, 0.5, 1.0, 1.5]
 
+
+
+# ---- the layer rule: sinks and their files know rows.py, never the logger ------------------------
+
+PACKAGE = pathlib.Path(syncless.__file__).parent
+
+
+def _imports(module):
+    """The syncless modules `module` (a dotted name) imports, wherever in the file (a
+    TYPE_CHECKING block and a function body count), read from its source."""
+    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.exists():
+        path = path.with_suffix("") / "__init__.py"
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "syncless"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "syncless":
+                continue
+            found.add(base)
+            for a in node.names:                 # `from . import rows` names a module
+                if PACKAGE.joinpath(*f"{base}.{a.name}".split(".")[1:]).with_suffix(".py").exists():
+                    found.add(f"{base}.{a.name}")
+    return found
+
+
+@pytest.mark.parametrize("module", ["syncless.sinks", "syncless._files"])
+def test_the_sinks_import_nothing_from_the_logger(module):
+    """sinks.py and _files.py reach the logger through no import, direct or by way of another
+    syncless module; what they share with it (Row, the reserved names) lives in rows.py."""
+    assert "syncless.rows" in _imports(module)
+    seen, todo = set(), [module]
+    while todo:
+        for name in _imports(todo.pop()) - seen:
+            seen.add(name)
+            todo.append(name)
+    assert "syncless.logger" not in seen, sorted(seen)
+    assert seen <= {"syncless", "syncless.rows", "syncless._files"}, sorted(seen)
+
+
+def test_the_sinks_write_the_reserved_names_from_rows():
+    """"step" and "time" are written once, in rows.py: no string of code in the sinks retypes
+    them (docstrings may show them)."""
+    from syncless.rows import RESERVED, STEP, TIME, Row
+    assert (STEP, TIME) == Row._fields[:2] and RESERVED == {STEP, TIME}
+    for module in ("sinks", "_files"):
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        retyped = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                   and node.value in RESERVED and id(node) not in docstrings]
+        assert retyped == [], f"{module}.py retypes a reserved name at lines {retyped}"

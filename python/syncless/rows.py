@@ -12,13 +12,15 @@ from typing import Any, NamedTuple
 
 __all__ = ["Row", "RESERVED", "check_sinks"]
 
-RESERVED = frozenset({"step", "time"})
-
 
 class _RowFields(NamedTuple):
     step: int
     time: float
     values: dict[str, float]
+
+
+STEP, TIME = _RowFields._fields[:2]      # "step", "time": the names files write them under
+RESERVED = frozenset((STEP, TIME))
 
 
 class Row(_RowFields):
