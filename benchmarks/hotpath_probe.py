@@ -74,6 +74,7 @@ def flush_parts() -> None:
     import time as _time
 
     from syncless import _handover as lg
+    from syncless.rows import Row
 
     log = syncless.Logger(every=1000, capacity=1000, device="cuda")
     m4 = {f"m{i}": torch.randn((), device="cuda") for i in range(4)}
@@ -92,7 +93,7 @@ def flush_parts() -> None:
     def copy_cycle():                # enqueue the copy; the wait and a decode of no rows free it
         ring.copy_to(w.win)
         w.win.wait()
-        w.win.decode(1 << 62, log._names, {})
+        w.win.decode(1 << 62, log._names, {}, Row, 0.0)
 
     w = lg.Window(log._device, log._gen.nbytes)
     pieces = [
@@ -111,7 +112,8 @@ def flush_parts() -> None:
 
 def delivery_rows(rows: int = 100) -> None:
     """The delivery thread's work per row of a 4-metric flush (run here, on this thread):
-    decoding a window into Row objects, into plain tuples, and the hand-over to one sink."""
+    decoding a window into Row objects (with the GPU clock of each: gpu_time=True), and the
+    hand-over to one sink."""
     from syncless._handover import Window as _Window
     from syncless.rows import Row
 
@@ -132,7 +134,8 @@ def delivery_rows(rows: int = 100) -> None:
     pieces = [
         ("Window.decode -> Row", lambda: w.win.decode(0, names, {}, Row, 0.0)),
         ("Window.decode -> Row, latest", lambda: w.win.decode(0, names, {}, Row, 0.0, {})),
-        ("Window.decode -> plain tuples", lambda: w.win.decode(0, names, {})),
+        ("Window.decode -> Row, gpu clock",
+         lambda: w.win.decode(0, names, {}, Row, 0.0, None, [])),
         ("Delivery._emit (latest, counts, one sink)", lambda: delivery._emit(decoded, None)),
         ("Delivery._emit, latest done in decode", lambda: delivery._emit(decoded, None, True)),
     ]

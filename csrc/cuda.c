@@ -144,14 +144,17 @@ void sl_leave_device(sl_state *st, CUcontext prev)
 
 /* The gather kernels for a device: the driver JIT-compiles the PTX once per process and device
  * (a few ms). Callers hold the device's context current. */
-int sl_gather_functions(sl_state *st, int device, CUfunction out[3])
+#define SL_NAME(name, cells) #name,
+
+int sl_gather_functions(sl_state *st, int device, CUfunction out[SL_GATHER_COUNT])
 {
-    static const char *names[3] = {"sl_gather8", "sl_gather64", "sl_gather_max"};
+    static const char *names[] = {SL_GATHER_KERNELS(SL_NAME)};
+    _Static_assert(sizeof names / sizeof *names == SL_GATHER_COUNT, "layout.h's kernel count");
     if (st->module[device] == NULL) {
         if (sl_check(st, st->drv.cuModuleLoadData(&st->module[device], sl_gather_ptx),
                      "cuModuleLoadData (JIT of the gather kernel)"))
             return -1;
-        for (int i = 0; i < 3; i++)
+        for (int i = 0; i < SL_GATHER_COUNT; i++)
             if (sl_check(st,
                          st->drv.cuModuleGetFunction(&st->gather[device][i], st->module[device],
                                                      names[i]),

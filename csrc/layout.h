@@ -1,9 +1,12 @@
 /* The ABI shared by the host C code and the gather kernel (csrc/kernels/gather.cu includes this
- * file too): the ring's byte layout, the cell limit and the kind numbers. Each fact is written
- * here once; the module exports them to Python (_C.HEADER_BYTES, _C.ROW_HEADER_WORDS, ...).
- * Plain C macros and an enum only: nvcc and a C compiler both read it. */
+ * file too): the ring's byte layout, the launch's parameter block, the kernel sizes and the kind
+ * numbers. Each fact is written here once; the module exports them to Python (_C.HEADER_BYTES,
+ * _C.ROW_HEADER_WORDS, ...). Plain C: macros, an enum and two structs that nvcc and a C compiler
+ * both read. */
 #ifndef SYNCLESS_LAYOUT_H
 #define SYNCLESS_LAYOUT_H
+
+#include <stdint.h>
 
 /* Device ring: a header of SL_HEADER_BYTES (word SL_HDR_COUNTER: the write counter, rows ever
  * written; word SL_HDR_NEXT_STEP: the step a log() without step= takes), then rows of 8-byte words:
@@ -22,8 +25,43 @@
 #define SL_CAPTURED_TAG (1ull << 63)
 
 /* Cells per gather launch: 248 of 16 bytes and the launch header fill the classic 4 KB kernel
- * parameter limit. */
+ * parameter limit (ring.c checks it). */
 #define SL_MAX_CELLS 248
+
+/* The gather kernel in three parameter-block sizes, smallest first, so a call with few metrics
+ * does not copy 4 KB of launch parameters: X(entry point, cells) for each. A launch takes the
+ * first kernel whose block holds its cells. */
+#define SL_GATHER_KERNELS(X) X(sl_gather8, 8) X(sl_gather64, 64) X(sl_gather_max, SL_MAX_CELLS)
+#define SL_GATHER_COUNT 3
+
+/* One cell of a launch: what the gather kernel reads for one metric. */
+typedef struct {
+    uint64_t bits; /* device address, or the value itself (binary64 bits) for SL_HOST */
+    uint32_t column;
+    uint32_t kind; /* enum sl_kind */
+} sl_cell;
+
+/* The head of the gather kernel's one parameter, passed by value (SL_LAUNCH_BLOCK below). */
+typedef struct {
+    uint64_t ring;    /* device address of row 0 */
+    uint64_t counter; /* device address of the header (the write counter, the next step) */
+    uint64_t tag;     /* the host's call id (SL_CAPTURED_TAG: the call was captured into a graph) */
+    int64_t step;     /* the call's step= (>= 0), or -1: the header's next-step word */
+    double time;      /* host wall time of the call */
+    uint32_t capacity; /* rows */
+    uint32_t row_words;
+    uint32_t mask_words;
+    uint32_t n; /* cells used in this launch */
+} sl_launch;
+
+/* The gather kernel's parameter block for K cells: the head, then the cells; the body of a struct
+ * (`struct Args SL_LAUNCH_BLOCK(K);`). The host fills one of SL_MAX_CELLS cells and hands it to
+ * every kernel size; a kernel's parameter copy takes only its own K. */
+#define SL_LAUNCH_BLOCK(K)                                                                         \
+    {                                                                                              \
+        sl_launch head;                                                                            \
+        sl_cell cell[K];                                                                           \
+    }
 
 /* What the gather kernel reads for one cell. */
 enum sl_kind {

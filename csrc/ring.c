@@ -3,7 +3,7 @@
  *   Ring.gather(metrics, columns, tag, step, time)  one kernel launch writes one row
  *   Ring.copy_to(window)                            one async D2H copy of the ring + one event
  *   Window.wait()                                   completion, off the training thread
- *   Window.decode(from_seq, names, nonfinite)       rows -> (seq, tag, step, time, gpu_ns, values)
+ *   Window.decode(from_seq, names, nonfinite, ...)  rows -> syncless.Row (made in C)
  *   tally(rows, latest, nonfinite)                  the counts decode keeps, for Python's rows
  *
  * `latest` and the NaN/Inf counts are kept here, on this side of the C/Python line only: decode
@@ -15,20 +15,19 @@
 #include <math.h>
 #include <string.h>
 
-typedef struct {
-    uint64_t ring, counter, tag;
-    int64_t step;
-    double time;
-    uint32_t capacity, row_words, mask_words, n;
-    sl_cell cell[SL_MAX_CELLS];
-} launch_args;
+typedef struct SL_LAUNCH_BLOCK(SL_MAX_CELLS) launch_args;
+_Static_assert(sizeof(launch_args) <= 4096, "the classic 4 KB kernel parameter limit");
+
+/* Cells of each gather kernel's parameter block, smallest first. */
+#define SL_CELLS(name, cells) cells,
+static const uint32_t gather_cells[SL_GATHER_COUNT] = {SL_GATHER_KERNELS(SL_CELLS)};
 
 typedef struct {
     PyObject_HEAD
     int device;
     uint64_t base; /* device address of the header */
     uint32_t capacity, columns, mask_words, row_words;
-    CUfunction fn[3];
+    CUfunction fn[SL_GATHER_COUNT];
     CUstream last_stream;
     CUevent order; /* orders the ring across a change of the current stream */
     int launched;
@@ -108,7 +107,7 @@ static void Ring_dealloc(Ring *self)
 }
 
 /* Fill args->cell from a {name: value} dict; names map to columns through `columns`.
- * keep[] receives the tensors made by the resolver (a.n references at most, NULL or new).
+ * keep[] receives the tensors made by the resolver (a.head.n references at most, NULL or new).
  * Returns -1 with an exception set, 1 (no exception) when a name has no column in this ring
  * yet (the Python side adds it, growing the ring if needed), else 0. */
 static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *columns,
@@ -131,7 +130,7 @@ static int read_cells(sl_state *st, Ring *self, PyObject *metrics, PyObject *col
         sl_metric m;
         if (sl_metric_read(st, name, value, &m, &keep[n]))
             return -1;
-        a->n = n + 1; /* keep[n] is the caller's to release from here on */
+        a->head.n = n + 1; /* keep[n] is the caller's to release from here on */
         if (m.device >= 0 && m.device != self->device) {
             PyErr_Format(PyExc_ValueError,
                          "metric %R is on cuda:%d but this logger's ring is on "
@@ -167,23 +166,24 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     }
     sl_state *st = sl_type_state(Py_TYPE(self));
     launch_args a;
+    sl_launch *h = &a.head;
     PyObject *keep[SL_MAX_CELLS];
-    a.n = 0;
-    uint64_t tag = a.tag = PyLong_AsUnsignedLongLong(args[2]);
-    a.step = PyLong_AsLongLong(args[3]);
-    a.time = PyFloat_AsDouble(args[4]);
+    h->n = 0;
+    uint64_t tag = h->tag = PyLong_AsUnsignedLongLong(args[2]);
+    h->step = PyLong_AsLongLong(args[3]);
+    h->time = PyFloat_AsDouble(args[4]);
     if (PyErr_Occurred())
         return NULL;
     int cells = read_cells(st, self, args[0], args[1], &a, keep);
     if (cells) {
-        release(keep, a.n);
+        release(keep, h->n);
         return cells < 0 ? NULL : PyLong_FromLong(SL_GATHER_NEW_COLUMN);
     }
 
     CUcontext prev;
     CUstream stream;
     if (sl_enter_device(st, self->device, &prev)) {
-        release(keep, a.n);
+        release(keep, h->n);
         return NULL;
     }
     int capturing = 0, rc = -1;
@@ -192,7 +192,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     capturing = capturing != CU_STREAM_CAPTURE_STATUS_NONE;
     if (capturing) {
-        if (a.step >= 0) {
+        if (h->step >= 0) {
             /* A replay would write this very step again, every time. */
             PyErr_SetString(PyExc_RuntimeError,
                             "log(step=...) inside CUDA graph capture: every replay would log at "
@@ -200,20 +200,22 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
                             "counted on the device)");
             goto done;
         }
-        a.tag |= SL_CAPTURED_TAG;
+        h->tag |= SL_CAPTURED_TAG;
     } else if (self->launched && stream != self->last_stream) {
         /* Rows must land in call order: the new stream waits for the ring's last use. */
         if (sl_check(st, st->drv.cuEventRecord(self->order, self->last_stream), "cuEventRecord") ||
             sl_check(st, st->drv.cuStreamWaitEvent(stream, self->order, 0), "cuStreamWaitEvent"))
             goto done;
     }
-    a.ring = self->base + SL_HEADER_BYTES;
-    a.counter = self->base;
-    a.capacity = self->capacity;
-    a.row_words = self->row_words;
-    a.mask_words = self->mask_words;
-    int which = a.n <= 8 ? 0 : a.n <= 64 ? 1 : 2;
-    unsigned threads = (a.n > a.mask_words ? a.n : a.mask_words);
+    h->ring = self->base + SL_HEADER_BYTES;
+    h->counter = self->base;
+    h->capacity = self->capacity;
+    h->row_words = self->row_words;
+    h->mask_words = self->mask_words;
+    int which = 0;
+    while (h->n > gather_cells[which]) /* the last holds SL_MAX_CELLS */
+        which++;
+    unsigned threads = (h->n > h->mask_words ? h->n : h->mask_words);
     threads = (threads + 31) / 32 * 32;
     void *params[1] = {&a};
     if (sl_check(st,
@@ -229,7 +231,7 @@ static PyObject *Ring_gather(Ring *self, PyObject *const *args, Py_ssize_t nargs
     rc = 0;
 done:
     sl_leave_device(st, prev);
-    release(keep, a.n); /* stream order: a later reuse of their memory runs after the kernel */
+    release(keep, h->n); /* stream order: a later reuse of their memory runs after the kernel */
     if (rc)
         return NULL;
     return PyBool_FromLong(capturing);
@@ -508,37 +510,37 @@ static PyObject *made_row(allocfunc alloc, PyTypeObject *type, int64_t step, dou
     return item;
 }
 
-/* decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None)
+/* decode(from_seq, names, nonfinite, row_type, replay_time, latest=None, gpu=None)
  *   -> (counter, rows)
- * rows: [(seq, tag, step, time, gpu_ns, {name: value})] for seq in [from_seq, counter) still in
- * the ring; or, given a row_type (a tuple subclass of (step, time, values): syncless.Row), rows
- * of that type made here, a row written by a graph replay taking replay_time as its time: the
- * delivery thread's Python work per row, under the GIL the training thread needs, is then none.
- * names[column] is the metric name; nonfinite[name] counts NaN/Inf values; latest, a dict,
- * ends up holding each metric's last value in these rows. */
+ * rows: the rows for seq in [from_seq, counter) still in the ring, as instances of row_type (a
+ * tuple subclass of (step, time, values): syncless.Row) made here, so the delivery thread's
+ * Python work per row, under the GIL the training thread needs, is none. A row written by a
+ * graph replay had no host call: its time is replay_time (the time of the flush that found it),
+ * chosen here and nowhere else. names[column] is the metric name; nonfinite[name] counts NaN/Inf
+ * values; latest, a dict, ends up holding each metric's last value in these rows; gpu, a list,
+ * receives (gpu_ns, replayed) for each row: the GPU clock when the row was written, and whether
+ * a graph replay wrote it. */
 static PyObject *Window_decode(Window *self, PyObject *args)
 {
     unsigned long long from_seq;
-    PyObject *names, *nonfinite, *row_type = Py_None, *latest = Py_None;
-    allocfunc alloc = NULL;
-    double replay_time = 0.0;
-    if (!PyArg_ParseTuple(args, "KO!O!|OdO", &from_seq, &PyList_Type, &names, &PyDict_Type,
-                          &nonfinite, &row_type, &replay_time, &latest))
+    PyObject *names, *nonfinite, *row_type, *latest = Py_None, *gpu = Py_None;
+    double replay_time;
+    if (!PyArg_ParseTuple(args, "KO!O!Od|OO", &from_seq, &PyList_Type, &names, &PyDict_Type,
+                          &nonfinite, &row_type, &replay_time, &latest, &gpu))
         return NULL;
-    if (latest != Py_None && !PyDict_Check(latest)) {
-        PyErr_SetString(PyExc_TypeError, "decode(): latest must be a dict or None");
+    if ((latest != Py_None && !PyDict_Check(latest)) || (gpu != Py_None && !PyList_Check(gpu))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode(): latest must be a dict or None, gpu a list or None");
         return NULL;
     }
-    if (row_type != Py_None) {
-        if (!PyType_Check(row_type) || !PyType_IsSubtype((PyTypeObject *)row_type, &PyTuple_Type)) {
-            PyErr_SetString(PyExc_TypeError, "decode(): row_type must be a tuple subclass");
-            return NULL;
-        }
-        /* A row is made as tuple.__new__(row_type, (step, time, values)) makes it, after a
-         * NamedTuple's own Python-level argument handling: the type's allocator, then the
-         * three items (what a Python call of either would cost each row is saved). */
-        alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)row_type, Py_tp_alloc);
+    if (!PyType_Check(row_type) || !PyType_IsSubtype((PyTypeObject *)row_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "decode(): row_type must be a tuple subclass");
+        return NULL;
     }
+    /* A row is made as tuple.__new__(row_type, (step, time, values)) makes it, after a
+     * NamedTuple's own Python-level argument handling: the type's allocator, then the three
+     * items (what a Python call of either would cost each row is saved). */
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)row_type, Py_tp_alloc);
     self->pending = 0;
     uint64_t counter;
     memcpy(&counter, self->host, 8);
@@ -560,7 +562,7 @@ static PyObject *Window_decode(Window *self, PyObject *args)
         if (d == NULL)
             goto error;
         for (uint32_t c = 0; c < self->columns; c++) {
-            if (!(mask[c / 64] >> (c % 64) & 1))
+            if (!(mask[c / SL_COLUMN_BLOCK] >> (c % SL_COLUMN_BLOCK) & 1))
                 continue;
             if (c >= (uint32_t)nnames) {
                 Py_DECREF(d);
@@ -582,23 +584,25 @@ static PyObject *Window_decode(Window *self, PyObject *args)
                 goto error;
             }
         }
+        const int replayed = (row[SL_ROW_TAG] & SL_CAPTURED_TAG) != 0;
         double time;
         memcpy(&time, &row[SL_ROW_TIME], 8);
-        PyObject *item;
-        if (alloc != NULL) {
-            item = made_row(alloc, (PyTypeObject *)row_type, (int64_t)row[SL_ROW_STEP],
-                            row[SL_ROW_TAG] & SL_CAPTURED_TAG ? replay_time : time, d);
-        } else {
-            item = Py_BuildValue("(KKLdKN)", (unsigned long long)row[SL_ROW_SEQ],
-                                 (unsigned long long)row[SL_ROW_TAG],
-                                 (long long)(int64_t)row[SL_ROW_STEP], time,
-                                 (unsigned long long)row[SL_ROW_GPU_NS], d);
-        }
+        PyObject *item = made_row(alloc, (PyTypeObject *)row_type, (int64_t)row[SL_ROW_STEP],
+                                  replayed ? replay_time : time, d);
         if (item == NULL || PyList_Append(rows, item)) {
             Py_XDECREF(item);
             goto error;
         }
         Py_DECREF(item);
+        if (gpu != Py_None) {
+            PyObject *clock = Py_BuildValue("(KO)", (unsigned long long)row[SL_ROW_GPU_NS],
+                                            replayed ? Py_True : Py_False);
+            if (clock == NULL || PyList_Append(gpu, clock)) {
+                Py_XDECREF(clock);
+                goto error;
+            }
+            Py_DECREF(clock);
+        }
     }
     return Py_BuildValue("(KN)", (unsigned long long)counter, rows);
 error:
@@ -653,7 +657,7 @@ static PyMethodDef Window_methods[] = {
     {"wait", (PyCFunction)Window_wait, METH_NOARGS, "Sleep until the copy landed (GIL released)."},
     {"ready", (PyCFunction)Window_ready, METH_NOARGS, "Has the copy landed? (never waits)"},
     {"decode", (PyCFunction)Window_decode, METH_VARARGS,
-     "decode(from_seq, names, nonfinite, row_type=None, replay_time=0.0, latest=None) -> "
+     "decode(from_seq, names, nonfinite, row_type, replay_time, latest=None, gpu=None) -> "
      "(counter, rows)"},
     {NULL, NULL, 0, NULL},
 };

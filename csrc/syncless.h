@@ -116,12 +116,6 @@ typedef struct {
 extern const sl_kind_info sl_kinds[]; /* ends with a NULL name */
 
 typedef struct {
-    uint64_t bits; /* device address, or the host value as IEEE-754 binary64 bits */
-    uint32_t column;
-    uint32_t kind;
-} sl_cell;
-
-typedef struct {
     sl_cell cell;
     int device; /* CUDA ordinal, or -1 for a host value */
 } sl_metric;
@@ -158,7 +152,7 @@ typedef struct {
     sl_driver drv;
     CUcontext ctx[SL_MAX_DEVICES];
     CUmodule module[SL_MAX_DEVICES];
-    CUfunction gather[SL_MAX_DEVICES][3];
+    CUfunction gather[SL_MAX_DEVICES][SL_GATHER_COUNT];
     /* Event pool (timer and windows); events are per device context. */
     /* The timer's fast path (timer.c): the Python record type, the Python device chooser for
      * when no context says it, and whether torch's CUDA is known to be initialised. */
@@ -199,7 +193,7 @@ int sl_driver_load(sl_state *st);                          /* 0, or -1 with an e
 int sl_check(sl_state *st, CUresult rc, const char *what); /* 0, or -1 with CudaError set */
 int sl_enter_device(sl_state *st, int device, CUcontext *prev);
 void sl_leave_device(sl_state *st, CUcontext prev);
-int sl_gather_functions(sl_state *st, int device, CUfunction out[3]);
+int sl_gather_functions(sl_state *st, int device, CUfunction out[SL_GATHER_COUNT]);
 extern PyObject *sl_CudaError;
 
 /* torch.c */

@@ -488,6 +488,7 @@ def test_the_dtype_map_comes_from_the_c_kinds():
 @pytest.mark.cuda
 def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
     from syncless._torch import _C
+    from syncless.rows import Row
     capacity, columns, rows = 64, _C.COLUMN_BLOCK, 40
     memory = torch.empty(_C.ring_nbytes(capacity, columns), dtype=torch.uint8, device="cuda")
     ring = _C.Ring(0, memory.data_ptr(), capacity, columns)
@@ -501,13 +502,46 @@ def test_ring_rows_carry_a_gpu_timestamp_in_launch_order():
     window = _C.Window(0, pinned.data_ptr(), pinned.numel())
     ring.copy_to(window)
     window.wait()
-    counter, decoded = window.decode(0, ["x", "h"], {})
+    gpu = []
+    counter, decoded = window.decode(0, ["x", "h"], {}, Row, -1.0, None, gpu)
     assert counter == rows
-    assert [r[:4] for r in decoded] == [(i, i, 10 + i, float(i)) for i in range(rows)]
-    assert [r[5] for r in decoded] == [{"x": float(i + 1), "h": 0.5} for i in range(rows)]
-    gpu_ns = [r[4] for r in decoded]
+    assert decoded == [Row(10 + i, float(i), {"x": float(i + 1), "h": 0.5}) for i in range(rows)]
+    assert all(type(r) is Row for r in decoded)
+    assert [replayed for _, replayed in gpu] == [False] * rows     # eager: the call's own time
+    gpu_ns = [t for t, _ in gpu]
     assert all(isinstance(t, int) for t in gpu_ns)
     assert all(b > a for a, b in zip(gpu_ns, gpu_ns[1:])), gpu_ns
+
+
+@pytest.mark.cuda
+def test_decode_gives_a_replayed_row_the_replay_time_and_says_so():
+    """Window.decode chooses each row's time, in one place: the call's for an eager launch, the
+    replay_time it is given for a row a CUDA graph replay wrote (no host call stood behind it);
+    its gpu list says which rows those were."""
+    from syncless._torch import _C
+    from syncless.rows import Row
+    capacity, columns = 64, _C.COLUMN_BLOCK
+    memory = torch.empty(_C.ring_nbytes(capacity, columns), dtype=torch.uint8, device="cuda")
+    ring = _C.Ring(0, memory.data_ptr(), capacity, columns)
+    ring.clear(0)
+    x = torch.zeros((), device="cuda")
+    assert ring.gather({"x": x}, {"x": 0}, 0, 5, 1.5) is False          # eager, at step 5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        assert ring.gather({"x": x, "h": 0.25}, {"x": 0, "h": 1}, 1, -1, 2.5) is True
+    for _ in range(3):
+        graph.replay()
+    pinned = torch.empty(memory.numel(), dtype=torch.uint8, pin_memory=True)
+    window = _C.Window(0, pinned.data_ptr(), pinned.numel())
+    ring.copy_to(window)
+    window.wait()
+    gpu = []
+    counter, decoded = window.decode(0, ["x", "h"], {}, Row, 99.0, None, gpu)
+    assert counter == 4
+    assert decoded == [Row(5, 1.5, {"x": 0.0})] + \
+        [Row(5 + i, 99.0, {"x": float(i), "h": 0.25}) for i in (1, 2, 3)]
+    assert [replayed for _, replayed in gpu] == [False, True, True, True]
 
 
 @pytest.mark.cuda

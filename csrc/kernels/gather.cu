@@ -14,25 +14,8 @@
 
 typedef unsigned long long u64;
 
-struct Cell {
-    u64 bits;           // device address, or the value itself (binary64 bits) for kind 0
-    unsigned column;
-    unsigned kind;      // enum sl_kind (layout.h)
-};
-
 template <int K>
-struct Args {
-    u64 ring;           // row 0 of the ring
-    u64 counter;        // address of the ring's header (the write counter, the next step)
-    u64 tag;            // the host's call id (bit 63: the call was captured into a graph)
-    long long step;     // the call's step= (>= 0), or -1: the header's next-step word
-    double time;
-    unsigned capacity;  // rows
-    unsigned row_words;
-    unsigned mask_words;
-    unsigned n;         // cells used in this launch
-    Cell cell[K];
-};
+struct Args SL_LAUNCH_BLOCK(K);   // the launch's parameter block, as the host fills it
 
 // An 8-bit float as binary64, built from its fields with integer operations only (exact, and
 // nothing newer than PTX 7.0). Mirrors minifloat() in csrc/metric.c: "fn" formats have no
@@ -60,7 +43,7 @@ __device__ double minifloat(unsigned b, unsigned kind) {
     return __longlong_as_double(__double_as_longlong(v) | sign);
 }
 
-__device__ double load(const Cell &c) {
+__device__ double load(const sl_cell &c) {
     const void *p = (const void *)c.bits;
     switch (c.kind) {
     case SL_HOST: return __longlong_as_double((long long)c.bits);
@@ -90,36 +73,36 @@ __device__ double load(const Cell &c) {
 
 template <int K>
 __device__ void gather(const Args<K> &a) {
-    u64 *counter = (u64 *)a.counter + SL_HDR_COUNTER;
+    const sl_launch &h = a.head;
+    u64 *counter = (u64 *)h.counter + SL_HDR_COUNTER;
     const u64 seq = *counter;
-    u64 *row = (u64 *)a.ring + (seq % a.capacity) * a.row_words;
+    u64 *row = (u64 *)h.ring + (seq % h.capacity) * h.row_words;
     u64 *mask = row + SL_ROW_HEADER_WORDS;
     const unsigned t = threadIdx.x;
-    if (t < a.mask_words) mask[t] = 0;
+    if (t < h.mask_words) mask[t] = 0;
     if (t == 0) {
         u64 now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         row[SL_ROW_SEQ] = seq;
-        row[SL_ROW_TAG] = a.tag;
-        u64 *next = (u64 *)a.counter + SL_HDR_NEXT_STEP;
-        const long long step = a.step < 0 ? (long long)*next : a.step;
+        row[SL_ROW_TAG] = h.tag;
+        u64 *next = (u64 *)h.counter + SL_HDR_NEXT_STEP;
+        const long long step = h.step < 0 ? (long long)*next : h.step;
         *next = (u64)(step + 1);
         row[SL_ROW_STEP] = (u64)step;
-        row[SL_ROW_TIME] = (u64)__double_as_longlong(a.time);
+        row[SL_ROW_TIME] = (u64)__double_as_longlong(h.time);
         row[SL_ROW_GPU_NS] = now;
     }
     __syncthreads();
-    if (t < a.n) {
-        const Cell c = a.cell[t];
-        mask[a.mask_words + c.column] = (u64)__double_as_longlong(load(c));
-        atomicOr(&mask[c.column / 64], 1ull << (c.column % 64));
+    if (t < h.n) {
+        const sl_cell c = a.cell[t];
+        mask[h.mask_words + c.column] = (u64)__double_as_longlong(load(c));
+        atomicOr(&mask[c.column / SL_COLUMN_BLOCK], 1ull << (c.column % SL_COLUMN_BLOCK));
     }
     __syncthreads();
     if (t == 0) *counter = seq + 1;
 }
 
-// Three parameter-block sizes, so a call with few metrics does not pay for copying 4 KB of
-// launch parameters. SL_MAX_CELLS cells fill the classic 4 KB parameter limit.
-extern "C" __global__ void sl_gather8(const Args<8> a) { gather(a); }
-extern "C" __global__ void sl_gather64(const Args<64> a) { gather(a); }
-extern "C" __global__ void sl_gather_max(const Args<SL_MAX_CELLS> a) { gather(a); }
+// One entry point per parameter-block size (layout.h's SL_GATHER_KERNELS).
+#define SL_ENTRY(name, cells) \
+    extern "C" __global__ void name(const Args<cells> a) { gather(a); }
+SL_GATHER_KERNELS(SL_ENTRY)

@@ -1,7 +1,7 @@
 """Type stub for syncless._C, the C core (csrc/). Policy lives in the Python package.
 
 Import it as ``from syncless._torch import _C``: that module binds it to torch."""
-from typing import Any, Callable, TypeVar, final, overload
+from typing import Any, Callable, TypeVar, final
 
 _R = TypeVar("_R", bound=tuple[Any, ...])
 
@@ -80,13 +80,9 @@ class Window:
     def __new__(cls, device: int, address: int, nbytes: int) -> Window: ...
     def wait(self) -> None: ...
     def ready(self) -> bool: ...
-    @overload
-    def decode(self, from_seq: int, names: list[str], nonfinite: dict[str, int], /
-               ) -> tuple[int, list[tuple[int, int, int, float, int, dict[str, float]]]]: ...
-    @overload
     def decode(self, from_seq: int, names: list[str], nonfinite: dict[str, int],
-               row_type: type[_R], replay_time: float = ...,
-               latest: dict[str, float] | None = ..., /) -> tuple[int, list[_R]]: ...
+               row_type: type[_R], replay_time: float, latest: dict[str, float] | None = ...,
+               gpu: list[tuple[int, bool]] | None = ..., /) -> tuple[int, list[_R]]: ...
 
 @disjoint_base
 class EventPair:

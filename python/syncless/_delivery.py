@@ -44,7 +44,6 @@ __all__ = ["Delivery", "Job", "Source"]
 
 _log = logging.getLogger("syncless")
 
-_CAPTURED = _C.CAPTURED_TAG           # tag bit of a row written by a CUDA graph replay
 GPU_STEP = "gpu/step_ms"
 GPU_LAG = "gpu/lag_ms"
 GPU_STEPS_KEPT = 8192                 # steps whose GPU clock Logger.gpu_steps() can return
@@ -212,24 +211,17 @@ class Delivery:
                 nonfinite: dict[str, int]) -> tuple[list[Row], bool, int]:
         """The window's rows, whether `latest` already holds their values, and the counter."""
         self.wait_copy(w)
-        if not self._gpu_time:
-            # The rows are made in C, `latest` updated there too (unless rows may be held back
-            # or merged with late values): no Python work per row, under the GIL the training
-            # thread needs. A graph replay's step was computed on the device; the host saw no
-            # call, so its time is that of the flush that found the row.
-            latest = None if self.late.hold else self.latest
-            counter, rows = w.win.decode(gen.next_seq, self._names, nonfinite, Row, flushed_at,
-                                         latest)
-            return rows, latest is not None, counter
-        counter, raw = w.win.decode(gen.next_seq, self._names, nonfinite)
-        rows = []
-        for item in raw:
-            tag, step, t, values = item[1], item[2], item[3], item[-1]
-            row = Row(step, flushed_at if tag & _CAPTURED else t, values)
-            row.gpu_ns = item[4]                 # an attribute costs each row a dict: opt-in
-            self.clock.add(row, captured=bool(tag & _CAPTURED))
-            rows.append(row)
-        return rows, False, counter
+        # The rows are made in C, `latest` updated there too (unless rows may be held back, be
+        # merged with late values or gain GPU-clock metrics): no Python work per row, under the
+        # GIL the training thread needs. A graph replay's row takes flushed_at as its time.
+        latest = None if self.late.hold or self._gpu_time else self.latest
+        clock: list[tuple[int, bool]] | None = [] if self._gpu_time else None
+        counter, rows = w.win.decode(gen.next_seq, self._names, nonfinite, Row, flushed_at,
+                                     latest, clock)
+        for row, (gpu_ns, replayed) in zip(rows, clock or ()):
+            row.gpu_ns = gpu_ns                  # an attribute costs each row a dict: opt-in
+            self.clock.add(row, captured=replayed)
+        return rows, latest is not None, counter
 
     # ---- the commit --------------------------------------------------------------------------
 
