@@ -572,6 +572,7 @@ class Logger(_Readings):
             gen = _Generation(device, self.capacity, len(self._names), self._next_step)
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
+            self._handover.reserve(gen)          # no flush allocates pinned memory
 
     def _grow(self, gen: _Generation, needed: int) -> None:
         if gen.captured:
@@ -585,6 +586,7 @@ class Logger(_Readings):
             wider = _Generation(self._device, self.capacity, columns, self._next_step)
             # gen's windows are too small now: let them go (current False); one statement.
             gen.current, self._gen, self._ring = False, wider, wider.ring
+            self._handover.reserve(wider)
 
     def _flush_window(self) -> None:
         """Hand the rows since the last flush over. Never waits on the GPU, only for a free
