@@ -261,9 +261,9 @@ class _Readings:
 class Logger(_Readings):
     """Collect per-step metrics with zero host-device syncs and deliver them to sinks.
 
-    >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
-    >>> log(loss=loss, acc=acc)          # or log.log({"loss": loss}, step=step)
-    >>> log.close()                      # or use `with syncless.Logger(...) as log:`
+        >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
+        >>> log(loss=loss, acc=acc)          # or log.log({"loss": loss}, step=step)
+        >>> log.close()                      # or use `with syncless.Logger(...) as log:`
 
     Values are 0-dim or one-element tensors (CUDA or CPU, any real dtype, requires_grad fine)
     or Python numbers. The value recorded is the tensor's value at the call, in stream order.
