@@ -24,6 +24,11 @@ import torch
 import syncless
 from syncless.logger import _live
 
+pytestmark = [
+    # inductor's own imports (torch.utils.mkldnn) warn on some torch versions (the compile block)
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 MARK = re.compile(r"^<!-- runnable(?::\s*(?P<opts>[^>]*?))?\s*-->\s*$")
