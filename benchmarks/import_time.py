@@ -61,13 +61,21 @@ def main() -> None:
             us, added, heavy = one(trees[label])
             ms[label].append(us / 1e3)
             seen[label] = (added, heavy)
-    lines = ["| tree | median ms | p10 ms | p90 ms | modules added | doctor/frameworks imported |",
-             "|---|---|---|---|---|---|"]
+    first = next(iter(ms))
+    lines = ["| tree | median ms | p10 ms | p90 ms | ratio to the first, per round: median "
+             "[p10, p90] | modules added | of them the doctor's / a framework's |",
+             "|---|---|---|---|---|---|---|"]
     for label, xs in ms.items():
         q = statistics.quantiles(xs, n=10)
+        ratios = [x / y for x, y in zip(xs, ms[first])]      # the same round: the same load
+        r = statistics.quantiles(ratios, n=10)
         added, heavy = seen[label]
+        names = [m for m in heavy.split(",") if m]
+        doctor = sum(m.startswith("syncless.doctor") for m in names)
+        frameworks = ", ".join(m for m in names if not m.startswith("syncless.doctor")) or "none"
         lines.append(f"| {label} | {statistics.median(xs):.1f} | {q[0]:.1f} | {q[-1]:.1f} | "
-                     f"{added} | {heavy.replace(',', ', ') or 'none'} |")
+                     f"{statistics.median(ratios):.2f} [{r[0]:.2f}, {r[-1]:.2f}] | {added} | "
+                     f"{doctor} / {frameworks} |")
     table = "\n".join(lines)
     if args.out is None:
         print(table)
