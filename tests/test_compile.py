@@ -509,6 +509,30 @@ def _pinned_handouts() -> int:
 
 
 @pytest.mark.cuda
+def test_cuda_max_delay_flushes_inside_a_compiled_step_make_no_blocking_call():
+    """The same run under syncless.audit (CUPTI, the training thread's every driver call): no
+    sync, no blocking copy, and no call that took over 1 ms (a pinned allocation was one)."""
+    sink = _SlowSink()
+    log = syncless.Logger(every=64, sinks=sink, max_delay=0.002)
+    fn = torch.compile(step_fn(log), fullgraph=True)
+    w = torch.randn(8, 8, device="cuda")
+    xs = [torch.randn(4, 8, device="cuda") for _ in range(401)]
+    fn(xs[0], w)
+    torch.cuda.synchronize()
+    with syncless.audit() as a:
+        for x in xs[1:]:
+            fn(x, w)
+            torch.cuda._sleep(20_000)
+    if a.backend != "cupti":
+        log.close()
+        pytest.skip(f"CUPTI unavailable: {a.reason}")
+    windows = log.stats.windows
+    log.close()
+    assert windows > 400 // 64 + 2
+    assert (a.sites, a.slow, a.unattributed) == ({}, {}, 0), a.report()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("delivery", ["thread", "caller"])
 def test_cuda_max_delay_flushes_inside_a_compiled_step_never_sync(delivery):
     """torch.compile(fullgraph=True), default mode, 400 steps after warm-up with every=64 and
