@@ -172,7 +172,7 @@ class Handover:
         if self._copying is not None or self._parked:
             self._park()
         w = self.pool.reuse(gen.nbytes)
-        if w is None:                        # only after an interrupt parked one (see reserve)
+        if w is None:                        # after an interrupt parked one, or see reserve()
             w = Window(gen.device, gen.nbytes)
         self._copying = w
         if before_copy is not None:          # enqueued before the copy, same stream
