@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import random
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = ("import sys, torch; before = set(sys.modules); import syncless; "
@@ -80,12 +82,21 @@ def main() -> None:
     if args.out is None:
         print(table)
         return
+    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     command = "python -m benchmarks.import_time " + " ".join(
         f"--tree '{t}'" for t in args.tree) + f" --rounds {args.rounds} --out {args.out}"
+    import torch
     text = (f"# `import syncless` on top of torch\n\nCommand: `{command.replace('  ', ' ')}`\n\n"
-            f"Python {sys.version.split()[0]}; {args.rounds} rounds, each a fresh interpreter "
+            f"Provenance: this tree at {commit}, {time.strftime('%Y-%m-%d', time.gmtime())}; "
+            f"{platform.machine()} host, {os.cpu_count()} cores (load average {load:.1f} at the "
+            f"end: shared with other jobs, hence the spread), Python {sys.version.split()[0]}, "
+            f"torch {torch.__version__}.\n\n"
+            f"{args.rounds} rounds, each a fresh interpreter "
             "per tree in a shuffled order; the time is syncless's cumulative line of "
-            "`python -X importtime -c 'import torch; import syncless'` (torch excluded).\n\n"
+            "`python -X importtime -c 'import torch; import syncless'` (torch excluded); the ratio "
+            "compares the two trees within each round, which shared its load.\n\n"
             f"{table}\n")
     with open(os.path.join(args.out, "import_time.md"), "w") as f:
         f.write(text)
