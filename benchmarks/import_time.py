@@ -6,11 +6,13 @@ Each round starts one fresh interpreter per tree, in a shuffled order, that runs
 `import torch; import syncless` under `python -X importtime` and reads syncless's cumulative
 import time (torch, imported first, is not in it) and the modules the import added. Without
 --tree it measures this checkout (`python/`). Writes import_time.md into DIR when --out is given,
-else prints it.
+else prints it (and the rounds' values into import_time.json).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
 import random
@@ -18,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from ._common import median_ci
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = ("import sys, torch; before = set(sys.modules); import syncless; "
@@ -64,20 +68,21 @@ def main() -> None:
             ms[label].append(us / 1e3)
             seen[label] = (added, heavy)
     first = next(iter(ms))
-    lines = ["| tree | median ms | p10 ms | p90 ms | ratio to the first, per round: median "
-             "[p10, p90] | modules added | of them the doctor's / a framework's |",
+    lines = ["| tree | median ms [95% CI] | p10 ms | p90 ms | ratio to the first, per round: "
+             "median [95% CI] | modules added | of them the doctor's / a framework's |",
              "|---|---|---|---|---|---|---|"]
     for label, xs in ms.items():
         q = statistics.quantiles(xs, n=10)
+        ci = median_ci(xs) or (math.nan, math.nan)
         ratios = [x / y for x, y in zip(xs, ms[first])]      # the same round: the same load
-        r = statistics.quantiles(ratios, n=10)
+        rci = median_ci(ratios) or (math.nan, math.nan)
         added, heavy = seen[label]
         names = [m for m in heavy.split(",") if m]
         doctor = sum(m.startswith("syncless.doctor") for m in names)
         frameworks = ", ".join(m for m in names if not m.startswith("syncless.doctor")) or "none"
-        lines.append(f"| {label} | {statistics.median(xs):.1f} | {q[0]:.1f} | {q[-1]:.1f} | "
-                     f"{statistics.median(ratios):.2f} [{r[0]:.2f}, {r[-1]:.2f}] | {added} | "
-                     f"{doctor} / {frameworks} |")
+        lines.append(f"| {label} | {statistics.median(xs):.1f} [{ci[0]:.1f}, {ci[1]:.1f}] | "
+                     f"{q[0]:.1f} | {q[-1]:.1f} | {statistics.median(ratios):.2f} "
+                     f"[{rci[0]:.2f}, {rci[1]:.2f}] | {added} | {doctor} / {frameworks} |")
     table = "\n".join(lines)
     if args.out is None:
         print(table)
@@ -100,6 +105,10 @@ def main() -> None:
             f"{table}\n")
     with open(os.path.join(args.out, "import_time.md"), "w") as f:
         f.write(text)
+    with open(os.path.join(args.out, "import_time.json"), "w") as f:
+        json.dump({"provenance": {"commit": commit, "command": command, "load": load},
+                   "trees": trees, "ms_per_round": ms}, f, indent=1)
+        f.write("\n")
     print(text)
 
 
