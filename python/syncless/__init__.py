@@ -11,7 +11,8 @@
 
 Drop-ins: `from syncless.tensorboard import SummaryWriter`, `import syncless.wandb as wandb`,
 `syncless.tqdm(loader, log=log)`. Importing syncless never initialises CUDA, so DataLoader
-workers and forked children import it safely.
+workers and forked children import it safely; the doctor and the framework integrations
+(`syncless.lightning`, `syncless.hf`) are imported at their first use.
 """
 import importlib
 import sys
