@@ -71,9 +71,12 @@ out = {"cuda_initialised": torch.cuda.is_initialized(),
        "heavy_modules": sorted(m for m in sys.modules if m.startswith(
            ("syncless.doctor", "lightning", "transformers", "wandb", "tensorboard")))}
 from syncless.doctor import watch            # the package imported by its name, before use
-out["lazy"] = {name: getattr(syncless, name).__module__ if callable(getattr(syncless, name))
-               else getattr(syncless, name).__name__ for name in ("doctor", "audit", "lightning", "hf")}
-out["lazy_frameworks"] = sorted(m for m in sys.modules if m.startswith(("lightning", "transformers")))
+out["lazy"] = {}
+for name in ("doctor", "audit", "lightning", "hf"):
+    value = getattr(syncless, name)
+    out["lazy"][name] = value.__module__ if callable(value) else value.__name__
+out["lazy_frameworks"] = sorted(m for m in sys.modules
+                                if m.startswith(("lightning", "transformers")))
 a = sys.modules["syncless._C"]
 del sys.modules["syncless._C"]
 b = importlib.import_module("syncless._C")
