@@ -67,7 +67,16 @@ FRESH = """
 import importlib, json, sys
 import torch, syncless
 out = {"cuda_initialised": torch.cuda.is_initialized(),
-       "dynamo_loaded": "torch._dynamo" in sys.modules}
+       "dynamo_loaded": "torch._dynamo" in sys.modules,
+       "heavy_modules": sorted(m for m in sys.modules if m.startswith(
+           ("syncless.doctor", "lightning", "transformers", "wandb", "tensorboard")))}
+from syncless.doctor import watch            # the package imported by its name, before use
+out["lazy"] = {}
+for name in ("doctor", "audit", "lightning", "hf"):
+    value = getattr(syncless, name)
+    out["lazy"][name] = value.__module__ if callable(value) else value.__name__
+out["lazy_frameworks"] = sorted(m for m in sys.modules
+                                if m.startswith(("lightning", "transformers")))
 a = sys.modules["syncless._C"]
 del sys.modules["syncless._C"]
 b = importlib.import_module("syncless._C")

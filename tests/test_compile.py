@@ -7,6 +7,7 @@ is captured in the CUDA graph and every replay appends one row with its step.
 """
 import copy
 import re
+import time
 
 import pytest
 import torch
@@ -414,3 +415,150 @@ def test_explicit_step_inside_a_cuda_graph_is_refused():
     finally:
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     log.close()
+
+
+# ---- the flush inside a compiled step: no host read, no pinned allocation ------------------------
+
+# What reads a device value on the host (each a sync) or allocates page-locked memory (an
+# implicit synchronisation, cudaHostAlloc).
+_HOST_READS = {"item", "tolist", "cpu", "numpy", "synchronize", "__float__", "__int__",
+               "__bool__", "float", "int", "bool", "Window", "empty", "pin_memory"}
+
+
+def _flush_path():
+    """The functions a flush inside a compiled step runs on the training thread (delivery
+    "thread", the default): Logger._flush_window and what it calls on the logger, its hand-over
+    and the window pool, followed through the source (so a renamed or new helper is walked too)."""
+    import ast
+    import inspect
+    import textwrap
+    from syncless import _handover, logger as logger_mod
+    owners = {"self": None, "_handover": _handover.ThreadHandover, "pool": _handover.Pool}
+    modules = {logger_mod.Logger: logger_mod, _handover.ThreadHandover: _handover,
+               _handover.Pool: _handover}
+    todo, seen = [(logger_mod.Logger, "_flush_window")], {}
+    while todo:
+        cls, name = todo.pop()
+        fn = getattr(cls, name, None)
+        if fn is None:                                  # a module-level function
+            fn = getattr(modules[cls], name)
+        key = f"{getattr(fn, '__qualname__', name)}"
+        if key in seen or not callable(fn) or not hasattr(fn, "__code__"):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        seen[key] = tree
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Attribute):
+                base = f.value.attr if isinstance(f.value, ast.Attribute) else \
+                    f.value.id if isinstance(f.value, ast.Name) else None
+                if base in owners:
+                    todo.append((owners[base] or cls, f.attr))
+            elif isinstance(f, ast.Name) and hasattr(modules[cls], f.id):
+                todo.append((cls, f.id))
+    return seen
+
+
+def test_a_flush_in_a_compiled_step_reads_no_device_value_and_allocates_no_pinned_memory():
+    """The CPU half of the no-sync promise for flushes (every-th call or max_delay) inside
+    compiled code: the training thread's flush path calls nothing that reads a device value on
+    the host, and allocates a pinned window only when none is free, which after
+    Handover.reserve (run where the ring is made) happens only after an interrupt parked one.
+    test_cuda_max_delay_flushes_inside_a_compiled_step_never_sync proves it on the GPU."""
+    import ast
+    import inspect
+    import textwrap
+    from syncless import _handover, logger as logger_mod
+    path = _flush_path()
+    assert {"Logger._flush_window", "Handover.send_window", "Pool.reuse", "Pool.wait"} <= set(path)
+    calls = {}
+    for name, tree in path.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if called in _HOST_READS:
+                    calls.setdefault(name, []).append(ast.unparse(node))
+    assert calls == {"Handover.send_window": ["Window(gen.device, gen.nbytes)"]}
+    fallback = [node for node in ast.walk(path["Handover.send_window"])
+                if isinstance(node, ast.If) and ast.unparse(node.test) == "w is None"]
+    assert [ast.unparse(n) for n in fallback[0].body] == ["w = Window(gen.device, gen.nbytes)"]
+    # The windows are made with each ring (the first CUDA log() and a wider ring)
+    for made in (logger_mod.Logger._bind, logger_mod.Logger._grow):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(made)))
+        assert any(ast.unparse(n.func) == "self._handover.reserve" for n in ast.walk(tree)
+                   if isinstance(n, ast.Call)), made.__name__
+    reserve = ast.parse(textwrap.dedent(inspect.getsource(_handover.Handover.reserve)))
+    assert "Window(gen.device, gen.nbytes)" in {ast.unparse(n) for n in ast.walk(reserve)}
+
+
+class _SlowSink(Collect):
+    """Collect, 3 ms a write: the windows pile up, as behind a slow file system or a network
+    sink, so a flush finds every window still out unless they were all made in advance."""
+
+    def write(self, rows):
+        time.sleep(0.003)
+        super().write(rows)
+
+
+def _pinned_handouts() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("active_requests.allocated", stats.get("num_host_alloc", 0))
+
+
+@pytest.mark.cuda
+def test_cuda_max_delay_flushes_inside_a_compiled_step_make_no_blocking_call():
+    """The same run under syncless.audit (CUPTI, the training thread's every driver call): no
+    sync, no blocking copy, and no call that took over 1 ms (a pinned allocation was one)."""
+    sink = _SlowSink()
+    log = syncless.Logger(every=64, sinks=sink, max_delay=0.002)
+    fn = torch.compile(step_fn(log), fullgraph=True)
+    w = torch.randn(8, 8, device="cuda")
+    xs = [torch.randn(4, 8, device="cuda") for _ in range(401)]
+    fn(xs[0], w)
+    torch.cuda.synchronize()
+    with syncless.audit() as a:
+        for x in xs[1:]:
+            fn(x, w)
+            torch.cuda._sleep(20_000)
+    if a.backend != "cupti":
+        log.close()
+        pytest.skip(f"CUPTI unavailable: {a.reason}")
+    windows = log.stats.windows
+    log.close()
+    assert windows > 400 // 64 + 2
+    assert (a.sites, a.slow, a.unattributed) == ({}, {}, 0), a.report()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_cuda_max_delay_flushes_inside_a_compiled_step_never_sync(delivery):
+    """torch.compile(fullgraph=True), default mode, 400 steps after warm-up with every=64 and
+    max_delay=2 ms: most windows go out by max_delay, from the op inside the compiled step,
+    while earlier ones are still with a slow sink. torch's sync-debug mode raises at any sync
+    (on the delivery thread too: the row would then be missing), no pinned memory is handed
+    out after the warm-up call, and every row is exact."""
+    sink = _SlowSink()
+    log = syncless.Logger(every=64, sinks=sink, max_delay=0.002, delivery=delivery)
+    fn = torch.compile(step_fn(log), fullgraph=True)
+    w = torch.randn(8, 8, device="cuda")
+    xs = [torch.randn(4, 8, device="cuda") for _ in range(401)]
+    outs = [fn(xs[0], w)]                            # compiles, binds the ring, makes the windows
+    torch.cuda.synchronize()
+    pinned, windows = _pinned_handouts(), log.stats.windows
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs[1:]:
+            outs.append(fn(x, w))
+            torch.cuda._sleep(20_000)                # ~10 us of GPU work: the GPU stays busy
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert _pinned_handouts() == pinned, "a flush allocated a pinned window mid-run"
+    assert log.stats.windows - windows > 400 // 64 + 2, "max_delay must have flushed too"
+    log.close()
+    want = [{"loss": float(a), "big": float(b), "ok": float(c), "lr": 0.25} for a, b, c in outs]
+    assert [r.values for r in sink.raw] == want
+    assert [r.step for r in sink.raw] == list(range(401))
+    assert log.stats.delivered == 401 and log.stats.lost == 0

@@ -61,6 +61,31 @@ def test_import_never_initialises_cuda(fresh_interpreter):
     assert fresh_interpreter["cuda_initialised"] is False
 
 
+def test_import_loads_neither_the_doctor_nor_a_framework(fresh_interpreter):
+    assert fresh_interpreter["heavy_modules"] == []
+
+
+def test_lazy_attributes_resolve_after_import_and_doctor_stays_the_function(fresh_interpreter):
+    """syncless.doctor(...), .audit, .lightning, .hf work after a bare `import syncless`, also
+    when `from syncless.doctor import ...` imported the package first; reaching the
+    integrations imports no framework (each imports its own at first use)."""
+    assert fresh_interpreter["lazy"] == {"doctor": "syncless.doctor._api",
+                                         "audit": "syncless.doctor.audit",
+                                         "lightning": "syncless.lightning", "hf": "syncless.hf"}
+    assert fresh_interpreter["lazy_frameworks"] == []
+
+
+def test_every_public_name_resolves_and_is_listed():
+    import syncless
+    assert all(getattr(syncless, name) is not None for name in syncless.__all__)
+    assert set(syncless.__all__) <= set(dir(syncless))
+    assert {"lightning", "hf", "wandb", "tensorboard"} <= set(dir(syncless))
+    assert syncless.lightning.SynclessLogging.__name__ == "SynclessLogging"
+    assert syncless.hf.SynclessTrainer.__name__ == "SynclessTrainer"
+    with pytest.raises(AttributeError, match="module 'syncless' has no attribute 'nope'"):
+        syncless.nope
+
+
 def test_the_extension_reimports_cleanly(fresh_interpreter):
     # Multi-phase init: a second module object with its own types, and a logger still works.
     assert fresh_interpreter["a_new_module"] is True

@@ -213,6 +213,23 @@ def test_unnamed_timer_keeps_its_own_stats(device, nap):
     assert len(timers.report().rows) == 0
 
 
+@pytest.mark.parametrize("look", ["repr", "stats", "times", "cpu_stats", "notebook"])
+def test_unnamed_timer_inspected_before_its_first_use_counts_every_use(device, nap, look):
+    t = timer(device=device)
+    before = {"repr": repr, "stats": lambda t: t.stats.count, "times": lambda t: t.times,
+              "cpu_stats": lambda t: t.cpu_stats.count, "notebook": lambda t: t._repr_html_()}
+    shown = before[look](t)
+    if look != "notebook":
+        assert shown in ("<timer: no runs>", 0, [])
+    for ms in (1, 2, 3):
+        with t:
+            nap(ms)
+    assert t.stats.count == 3
+    assert t.cpu_stats.count == 3
+    assert [within(ms, expected, device) for ms, expected in zip(t.times, (1, 2, 3))] == [True] * 3
+    assert repr(t).count(" 3 runs,") == 1
+
+
 def test_report_and_reset():
     @timer("alpha", device="cpu")
     def a():

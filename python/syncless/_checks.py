@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-# syncless.Logger: rows go to files and callbacks read after the fact, so copies are made rare.
 LOGGER_EVERY = 100
-# The wandb and TensorBoard drop-ins, and the HF Trainer's per-step Logger: a dashboard someone
-# watches while the run goes, so half the Logger's window (still one copy per 50 calls).
+"""syncless.Logger: rows go to files and callbacks read after the fact, so copies are made rare."""
 ADAPTER_EVERY = 50
-# Lightning's callback: the progress bar and every Lightning logger read these values, and a
-# Lightning batch costs milliseconds of host time anyway, so the copy is made every 16 batches
-# to keep the bar a few steps behind at most.
+"""The wandb and TensorBoard drop-ins, and the HF Trainer's per-step Logger: a dashboard someone
+watches while the run goes, so half the Logger's window (still one copy per 50 calls)."""
 LIGHTNING_EVERY = 16
+"""Lightning's callback: the progress bar and every Lightning logger read these values, and a
+Lightning batch costs milliseconds of host time anyway, so the copy is made every 16 batches to
+keep the bar a few steps behind at most."""
 
 
 def check_every(every: Any, name: str = "every") -> int:

@@ -146,6 +146,22 @@ class Handover:
 
     # ---- the Logger's calls ------------------------------------------------------------------
 
+    def reserve(self, gen: Any) -> None:
+        """Allocate the pool's pinned windows for the device ring `gen` now, when the ring is
+        made (the first CUDA log(), or a wider ring), so no hand-over allocates one: a
+        page-locked allocation (cudaHostAlloc) is an implicit synchronisation, and a flush that
+        found every window still out (a max_delay flush soon after a full one) made it in the
+        middle of a run. Not under capture: the hand-over then allocates, as a fallback."""
+        if gen.ring.capturing():
+            return
+        pool = self.pool
+        with pool.lock:                      # a narrower ring's windows go (one assignment)
+            pool.free = [w for w in pool.free if w.nbytes >= gen.nbytes]
+            missing = pool.limit - len(pool.free)
+        made = [Window(gen.device, gen.nbytes) for _ in range(missing)]
+        with pool.lock:
+            pool.free.extend(made)
+
     def send_window(self, gen: Any, calls: int, before_copy: Callable[[], None] | None) -> None:
         """Copy the device ring `gen` (logger._Generation; on the current device and stream)
         into a pinned window and hand it over: one async copy and one event, never a wait on
@@ -156,7 +172,7 @@ class Handover:
         if self._copying is not None or self._parked:
             self._park()
         w = self.pool.reuse(gen.nbytes)
-        if w is None:
+        if w is None:                        # after an interrupt parked one, or see reserve()
             w = Window(gen.device, gen.nbytes)
         self._copying = w
         if before_copy is not None:          # enqueued before the copy, same stream

@@ -261,9 +261,9 @@ class _Readings:
 class Logger(_Readings):
     """Collect per-step metrics with zero host-device syncs and deliver them to sinks.
 
-    >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
-    >>> log(loss=loss, acc=acc)          # or log.log({"loss": loss}, step=step)
-    >>> log.close()                      # or use `with syncless.Logger(...) as log:`
+        >>> log = syncless.Logger(every=100, sinks=[syncless.sinks.JSONL("runs/m.jsonl")])
+        >>> log(loss=loss, acc=acc)          # or log.log({"loss": loss}, step=step)
+        >>> log.close()                      # or use `with syncless.Logger(...) as log:`
 
     Values are 0-dim or one-element tensors (CUDA or CPU, any real dtype, requires_grad fine)
     or Python numbers. The value recorded is the tensor's value at the call, in stream order.
@@ -572,6 +572,7 @@ class Logger(_Readings):
             gen = _Generation(device, self.capacity, len(self._names), self._next_step)
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
+            self._handover.reserve(gen)          # no flush allocates pinned memory
 
     def _grow(self, gen: _Generation, needed: int) -> None:
         if gen.captured:
@@ -585,6 +586,7 @@ class Logger(_Readings):
             wider = _Generation(self._device, self.capacity, columns, self._next_step)
             # gen's windows are too small now: let them go (current False); one statement.
             gen.current, self._gen, self._ring = False, wider, wider.ring
+            self._handover.reserve(wider)
 
     def _flush_window(self) -> None:
         """Hand the rows since the last flush over. Never waits on the GPU, only for a free

@@ -328,13 +328,7 @@ class Timer(_C.TimerBase):
         rec._step0 = log.last_step
 
     def _after(self, rec: Timing) -> None:
-        series = self._series
-        if series is None:                   # an unnamed timer's second use
-            series = self._series = _Series(None)
-            if self.last is not None:
-                series.add(self.last)
-            self._hooks |= _AFTER
-        series.add(rec)
+        self._readings().add(rec)            # an unnamed timer's second use makes its series
         log = self._log
         if log is not None and not log.closed:
             assert self.name is not None             # _setup: a log needs a name
@@ -376,6 +370,9 @@ class Timer(_C.TimerBase):
             series = self._series = _Series(None)
             if self.last is not None:
                 series.add(self.last)
+            # From now on every use goes into the series, the next one too (a timer shown before
+            # its first use would otherwise start counting at its second).
+            self._hooks |= _AFTER
         return series
 
     @property
