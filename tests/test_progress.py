@@ -56,7 +56,7 @@ def test_missing_tqdm_names_the_extra(monkeypatch):
     import syncless.progress as progress
     monkeypatch.setattr(progress, "_classes", {})
     monkeypatch.setitem(__import__("sys").modules, "tqdm.std", None)
-    with pytest.raises(ImportError, match=r"pip install syncless\[progress\]"):
+    with pytest.raises(ImportError, match=r"pip install tqdm .*pip install -e '\.\[progress\]'"):
         tqdm(range(3))
 
 

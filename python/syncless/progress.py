@@ -36,7 +36,8 @@ def _bar_class() -> type:
             warnings.simplefilter("ignore", tqdm.std.TqdmExperimentalWarning)
             from tqdm.autonotebook import tqdm as base
     except ImportError as exc:
-        raise ImportError("syncless.tqdm needs tqdm: pip install syncless[progress]") from exc
+        raise ImportError("syncless.tqdm needs tqdm: pip install tqdm "
+                          "(from a syncless checkout: pip install -e '.[progress]')") from exc
     # The bar: the class below on tqdm's (imported only now, so syncless never needs tqdm).
     cls = _classes["tqdm"] = type("SynclessTqdm", (_Postfix, base),
                                   {"__module__": __name__, "__doc__": _Postfix.__doc__})

@@ -201,7 +201,8 @@ class _Refused:
 
 
 def _missing(package: str, extra: str) -> ImportError:
-    return ImportError(f"this sink needs {package}: pip install syncless[{extra}]")
+    return ImportError(f"this sink needs {package}: pip install {package} (from a syncless "
+                       f"checkout: pip install -e '.[{extra}]')")
 
 
 class TensorBoard:

@@ -30,7 +30,8 @@ try:
     from torch.utils.tensorboard._convert_np import make_np
 except ImportError as exc:                       # torch raises this when tensorboard is missing
     raise ImportError("syncless.tensorboard needs tensorboard: "
-                      "pip install syncless[tensorboard]") from exc
+                      "pip install tensorboard (from a syncless checkout: "
+                      "pip install -e '.[tensorboard]')") from exc
 
 from ._checks import ADAPTER_EVERY
 from ._deferred import Deferred, Failures

@@ -36,7 +36,8 @@ import torch
 try:
     import wandb as _wandb                      # the real package: imports are absolute
 except ImportError as exc:
-    raise ImportError("syncless.wandb needs wandb: pip install syncless[wandb]") from exc
+    raise ImportError("syncless.wandb needs wandb: pip install wandb "
+                      "(from a syncless checkout: pip install -e '.[wandb]')") from exc
 
 from ._checks import ADAPTER_EVERY, check_every, check_max_delay
 from ._deferred import Deferred, Failures, check_name
