@@ -504,10 +504,16 @@ class _GaveUp(Exception):
 
 
 def _alive(pid: int) -> bool:
+    """Is process `pid` (on this host) running? A zombie, dead but not yet reaped by its
+    parent (a launcher), is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

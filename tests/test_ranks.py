@@ -1,0 +1,223 @@
+"""Logger(reduce=...) on the host (reduce_on="host", the default) at the edges issue 35 names:
+ranks that hand windows over at different steps (the deadlock of the on-stream all-reduce),
+unequal pacing, the bound on rows waiting, 16 ranks with a straggler, and a rank that dies.
+Real gloo processes on CPU; every case is slow-marked (spawning ranks costs seconds each)."""
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import syncless
+from _gloo import rerun_on_mesh_flake, spawn_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _init(rank, world, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
+                            rank=rank, world_size=world)
+
+
+def _run(rank, log, steps, pace, value):
+    x = torch.ones(1000)
+    for step in range(steps):
+        pace(step)
+        if x is not None and pace.lockstep:
+            dist.all_reduce(x)                   # DDP's gradient all-reduce, every step
+        log(loss=value(step, rank))
+
+
+def _edges_worker(rank, world, tmp):
+    _init(rank, world, tmp)
+    out = {}
+    try:
+        rng = random.Random(rank)
+        for case in ("lockstep", "unequal", "bound"):
+            rows = []
+            sink = syncless.sinks.Callback(lambda s, t, v: rows.append((s, v["loss"])))
+            if case == "bound":      # rank 1 stops for 1.5 s, rank 0 logs on as fast as it can
+                log = syncless.Logger(every=2, max_delay=0.003, reduce="mean", sinks=[sink])
+                steps = 1500
+
+                def pace(step):
+                    if rank == 1 and step == 5:
+                        time.sleep(1.5)
+                pace.lockstep = False
+            else:
+                # windows of 2 rows or 3 ms, whichever first: on each rank's own clock, so the
+                # ranks hand over at different steps, thousands of times
+                log = syncless.Logger(every=2, max_delay=0.003, reduce="mean", sinks=[sink])
+                steps = 2400
+
+                def pace(step, case=case):
+                    if case == "lockstep":           # 4 ms + rank-dependent jitter
+                        time.sleep(0.004 + rng.random() * 0.002 * rank)
+                    else:                            # 1 ms against 4 ms, nothing in step
+                        time.sleep(0.001 if rank == 0 else 0.004)
+                pace.lockstep = case == "lockstep"
+            began = time.perf_counter()
+            _run(rank, log, steps, pace, lambda step, r: float(step * (r + 1)))
+            loop_s = time.perf_counter() - began
+            log.close()
+            out[case] = {"rows": rows, "windows": log.stats.windows, "waits": log.stats.waits,
+                         "lost": log.stats.lost, "loop_s": loop_s, "limit": log._ranks.limit}
+        with open(os.path.join(tmp, f"edges{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def edges(tmp_path_factory):
+    out = spawn_ranks(_edges_worker, tmp_path_factory.mktemp("edges"))
+    return [json.loads((out / f"edges{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("case", ["lockstep", "unequal"])
+def test_windows_at_different_steps_on_each_rank_never_hang_and_reduce_exactly(edges, case):
+    """Issue 35: lockstep hung (on-stream all-reduce), unequal pacing raised 'rank 1 has 50
+    rows in this window, rank 0 has 100'. Now: every step, the exact mean (3 * step / 2)."""
+    rows = edges[0][case]["rows"]
+    assert [s for s, _ in rows] == list(range(2400))
+    assert [v for _, v in rows] == [1.5 * s for s in range(2400)]
+    assert min(edges[r][case]["windows"] for r in (0, 1)) >= 1000
+    assert edges[0][case]["lost"] == edges[1][case]["lost"] == 0
+
+
+def test_a_rank_far_behind_holds_the_others_at_the_bound_and_loses_nothing(edges):
+    """Rows waiting to be reduced are bounded (64 windows' worth: 128 rows at every=2): rank 0,
+    1.5 s ahead of a paused rank 1, waits at the bound (stats.waits) instead of growing without
+    end or dropping rows, and every row is still reduced exactly."""
+    fast = edges[0]["bound"]
+    assert fast["limit"] == 128
+    assert fast["waits"] >= 1
+    assert fast["loop_s"] >= 1.0        # held back: 1500 rows could not all wait for rank 1
+    assert [s for s, _ in fast["rows"]] == list(range(1500))
+    assert [v for _, v in fast["rows"]] == [1.5 * s for s in range(1500)]
+    assert fast["lost"] == 0
+
+
+SIXTEEN = 16
+STEP_S = 0.02
+
+
+def _sixteen_worker(rank, world, tmp):
+    _init(rank, world, tmp)
+    try:
+        out = {}
+        for slow in (None, world - 1):
+            rows = []
+            log = syncless.Logger(every=10, reduce="mean", max_delay=0.1,
+                                  sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append(
+                                      (s, v)))])
+            steps = 60
+            kept, took = [], []
+            sleep = STEP_S * (3 if rank == slow else 1)
+            for step in range(steps):
+                began = time.perf_counter()
+                time.sleep(sleep)
+                metrics = {"loss": float(step + rank), "acc": float(rank % 4) / 4,
+                           "gn": float((step * rank) % 7), "lr": 0.5}
+                log(**metrics)
+                took.append(time.perf_counter() - began)
+                kept.append([metrics[k] for k in ("loss", "acc", "gn", "lr")])
+            log.close()
+            ref = torch.tensor(kept, dtype=torch.float64)
+            dist.all_reduce(ref)
+            ref /= world
+            if rank == 0:
+                out[str(slow)] = {"rows": [[s, [v[k] for k in ("loss", "acc", "gn", "lr")],
+                                            v.get("ranks/slowest")] for s, v in rows],
+                                  "ref": ref.tolist()}
+            out[f"median{slow}"] = statistics.median(took)
+        with open(os.path.join(tmp, f"sixteen{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sixteen_ranks_one_three_times_slower(tmp_path):
+    """16 gloo ranks, 4 metrics a step, sleep-dominated 20-ms steps; then the same with rank 15
+    sleeping 60 ms. The others' median step time does not move (< 5%), every value equals a
+    plain all-reduce of the same per-step values, every row names rank 15, close() returns."""
+    out = spawn_ranks(_sixteen_worker, tmp_path, world=SIXTEEN)
+    res = [json.loads((out / f"sixteen{r}.json").read_text()) for r in range(SIXTEEN)]
+    for slow in ("None", "15"):
+        got = res[0][slow]
+        assert [s for s, _, _ in got["rows"]] == list(range(60))
+        assert [v for _, v, _ in got["rows"]] == got["ref"]
+    assert [w for _, _, w in res[0]["15"]["rows"][1:]] == [15.0] * 59
+    fast = [res[r]["medianNone"] for r in range(SIXTEEN - 1)]
+    with_slow = [res[r]["median15"] for r in range(SIXTEEN - 1)]
+    assert statistics.median(with_slow) < 1.05 * statistics.median(fast), (fast, with_slow)
+
+
+KILLED = r'''
+import json, os, signal, sys, time
+import torch.distributed as dist
+import syncless
+rank, world, tmp, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+rows = []
+log = syncless.Logger(every=5, max_delay=0.05, reduce="mean", close_timeout=5,
+                      sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append(s))])
+for step in range(60):
+    time.sleep(0.005)
+    log(loss=float(step))
+    if rank == world - 1 and step == 30:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)                             # alive, but never reaches close()
+began = time.monotonic()
+try:
+    log.close()
+    error = None
+except RuntimeError as exc:
+    error = str(exc)
+json.dump({"close_s": time.monotonic() - began, "error": error, "rows": rows,
+           "lost": log.stats.lost}, open(f"{tmp}/killed{rank}.json", "w"))
+os._exit(0)                                          # the store's peer is gone: no teardown
+'''
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_rank_that_dies_or_hangs_leaves_the_others_close_bounded_naming_it(tmp_path, how):
+    world = 3
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "python"), os.environ.get("PYTHONPATH", "")]))
+
+    def run(attempt):
+        tmp = tmp_path / f"try{attempt}"
+        tmp.mkdir()
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(tmp), how],
+                                  env=env, stderr=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        errs = []
+        for p in procs[:-1]:
+            errs.append(p.communicate(timeout=120)[1])
+        if procs[-1].poll() is None:
+            procs[-1].kill()
+        procs[-1].communicate()
+        rc = max(p.returncode for p in procs[:-1])
+        return rc, "\n".join(errs), tmp
+
+    rc, stderr, tmp = rerun_on_mesh_flake(run)
+    assert rc == 0, stderr
+    for rank in range(world - 1):
+        out = json.loads((tmp / f"killed{rank}.json").read_text())
+        assert out["error"] is not None and "rank 2" in out["error"], out
+        assert out["close_s"] < 5 + 10                  # close_timeout, and a little more
+        assert out["rows"] == [] or out["rows"] == list(range(len(out["rows"])))
+        if how == "kill":
+            assert "process" in out["error"] and "is gone" in out["error"]
