@@ -222,3 +222,56 @@ def test_a_rank_that_dies_or_hangs_leaves_the_others_close_bounded_naming_it(tmp
         assert out["rows"] == [] or out["rows"] == list(range(len(out["rows"])))
         if how == "kill":
             assert "process" in out["error"] and "is gone" in out["error"]
+
+
+TORCHRUN = r'''
+import json, os, time
+import torch, torch.distributed as dist
+import syncless
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+rows = []
+log = syncless.Logger(every=8, max_delay=0.01, reduce={"loss": "mean", "peak": "max"},
+                      sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, v)))])
+torch.manual_seed(rank)
+kept = []
+for step in range(50):
+    time.sleep(0.001 * (1 + rank))
+    loss, peak = torch.rand(()) * (rank + 1), torch.rand(())
+    log(loss=loss, peak=peak)
+    kept.append([loss.item(), peak.item()])
+log.close()
+ref = torch.tensor(kept, dtype=torch.float64)
+mean, peak = ref[:, 0].clone(), ref[:, 1].clone()
+dist.all_reduce(mean)
+dist.all_reduce(peak, dist.ReduceOp.MAX)
+if rank == 0:
+    json.dump({"world": world, "rows": rows, "mean": (mean / world).tolist(),
+               "peak": peak.tolist()}, open(os.environ["OUT"], "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_torchrun_four_gloo_ranks_equal_a_plain_all_reduce(tmp_path):
+    """torchrun --nproc_per_node 4 (its store, its env://): float32 CPU tensors, each reduced
+    value equals the plain all-reduce (float64) of the same per-step values."""
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN)
+    python = os.path.join(os.path.dirname(__file__), "..", "python")
+
+    def run(attempt):
+        out = tmp_path / f"out{attempt}.json"
+        env = dict(os.environ, OUT=str(out),
+                   PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                            "4", "--master_port", str(29500 + random.randrange(1000)),
+                            str(script)], env=env, capture_output=True, text=True, timeout=300)
+        return p.returncode, p.stderr, out
+
+    rc, stderr, out = rerun_on_mesh_flake(run)
+    assert rc == 0, stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 4
+    assert [s for s, _ in res["rows"]] == list(range(50))
+    assert [v["loss"] for _, v in res["rows"]] == res["mean"]
+    assert [v["peak"] for _, v in res["rows"]] == res["peak"]
