@@ -275,3 +275,143 @@ def test_torchrun_four_gloo_ranks_equal_a_plain_all_reduce(tmp_path):
     assert [s for s, _ in res["rows"]] == list(range(50))
     assert [v["loss"] for _, v in res["rows"]] == res["mean"]
     assert [v["peak"] for _, v in res["rows"]] == res["peak"]
+
+
+LIGHTNING = r'''
+import json, os, sys, warnings
+import torch
+
+def main(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    warnings.simplefilter("ignore")
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+    import syncless
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.kept, self.rows = [], []
+
+        def on_train_start(self):        # the process group exists from here on
+            self.slog = syncless.Logger(every=4, max_delay=0.05, reduce="mean", sinks=[
+                syncless.sinks.Callback(lambda s, t, v: self.rows.append((s, v["loss"])))])
+
+        def training_step(self, b, i):
+            x, y = b
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.slog(loss=loss)
+            self.kept.append(loss.detach().double())
+            return loss
+
+        def on_train_end(self):
+            self.slog.close()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(rank)
+    ds = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+    t = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=2, logger=False,
+                   enable_checkpointing=False, enable_model_summary=False,
+                   enable_progress_bar=False, use_distributed_sampler=False)
+    m = M()
+    t.fit(m, DataLoader(ds, batch_size=4))
+    ref = torch.stack(m.kept)
+    dist.all_reduce(ref)
+    if rank == 0:
+        json.dump({"rows": m.rows, "ref": (ref / world).tolist()}, open(out, "w"))
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+    mp.spawn(main, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2)
+'''
+
+ACCELERATE = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+import syncless
+acc = Accelerator(cpu=True)
+rank, world = acc.process_index, acc.num_processes
+torch.manual_seed(rank)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+model, opt = acc.prepare(model, opt)
+rows, kept = [], []
+log = syncless.Logger(every=5, max_delay=0.05, reduce={"loss": "mean", "gn": "max"}, sinks=[
+    syncless.sinks.Callback(lambda s, t, v: rows.append((s, v["loss"], v["gn"])))])
+for step in range(30):
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    acc.backward(loss)
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+    opt.step()
+    opt.zero_grad()
+    log(loss=loss, gn=gn)
+    kept.append([loss.item(), gn.item()])
+log.close()
+ref = torch.tensor(kept, dtype=torch.float64)
+mean, peak = ref[:, 0].clone(), ref[:, 1].clone()
+dist.all_reduce(mean)
+dist.all_reduce(peak, dist.ReduceOp.MAX)
+if rank == 0:
+    json.dump({"world": world, "rows": rows, "mean": (mean / world).tolist(),
+               "peak": peak.tolist()}, open(os.environ["OUT"], "w"))
+'''
+
+
+def _env(**extra):
+    python = os.path.join(os.path.dirname(__file__), "..", "python")
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", **extra,
+                PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
+
+
+def test_lightning_ddp_two_cpu_ranks_equal_a_plain_all_reduce(tmp_path):
+    """A user's Logger(reduce="mean") inside a LightningModule under strategy="ddp" (gloo):
+    the reduced loss of every step equals the plain all-reduce of the ranks' losses."""
+    import socket
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING)
+
+    def fit(attempt):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / f"out{attempt}.json"
+        p = subprocess.run([sys.executable, str(script), str(port), str(out)], env=_env(),
+                           capture_output=True, text=True, timeout=300)
+        return p.returncode, p.stderr, out
+
+    rc, stderr, out = rerun_on_mesh_flake(fit)
+    assert rc == 0, stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [s for s, _ in res["rows"]] == list(range(20))     # 2 epochs of 10 batches
+    assert [v for _, v in res["rows"]] == res["ref"]
+
+
+def test_accelerate_launch_two_cpu_processes_equal_a_plain_all_reduce(tmp_path):
+    """`accelerate launch --cpu --num_processes 2`: mean and max equal the plain all-reduce."""
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE)
+
+    def run(attempt):
+        out = tmp_path / f"out{attempt}.json"
+        p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu",
+                            "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+                            "no", "--dynamo_backend", "no", "--main_process_port",
+                            str(29500 + random.randrange(1000)), str(script)],
+                           env=_env(OUT=str(out)), capture_output=True, text=True, timeout=300)
+        return p.returncode, p.stderr, out
+
+    rc, stderr, out = rerun_on_mesh_flake(run)
+    assert rc == 0, stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 2
+    assert [s for s, _, _ in res["rows"]] == list(range(30))
+    assert [v for _, v, _ in res["rows"]] == res["mean"]
+    assert [g for _, _, g in res["rows"]] == res["peak"]

@@ -312,7 +312,16 @@ class Logger(_Readings):
     not begun), so a sink that must not be cut short belongs to the default delivery.
 
     `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
-    exit wait for late values and device copies (see close()).
+    exit wait for late values and device copies (see close()), and, reducing, for the other
+    ranks' last rows.
+
+    `reduce` ("mean", "sum", "min", "max" or {metric: op}): deliver rows reduced across the
+    ranks of torch.distributed. `reduce_on="host"` (default): the delivered rows are reduced on
+    a gloo group of the Logger's, by a thread of its own, aligned by step: the training loop
+    enqueues no collective and never waits for another rank; each row also gets the ranks' step
+    times (ranks/step_ms/min|median|max, ranks/slowest; see stragglers()). `reduce_on="device"`:
+    one all-reduce per window on the training stream, before the copy (needs max_delay=None,
+    so that every rank hands its windows over at the same steps). See docs/logger.md.
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
