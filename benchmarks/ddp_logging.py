@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         res["variants"][name] = {"ms_per_step": summarize(t)}
         if name != "no logging":
             res["variants"][name]["vs_none"] = ratio_summary(times, name, "no logging")
-    write_results(args.out, "ddp_logging", res, markdown(res))
+    write_results(args.out, "ddp_logging" if cuda else "ddp_logging_cpu", res, markdown(res))
     return 0
 
 

@@ -76,7 +76,7 @@ def _available_mib():
 
 
 def run_world(world, args, per_rank_mib):
-    need = world * per_rank_mib * 1.3 + 2048      # keep 2 GiB for the rest of the host
+    need = world * per_rank_mib * 1.1 + 2048      # keep 2 GiB for the rest of the host
     if _available_mib() < need:
         return {"world": world, "failed": f"not started: {world} ranks need about {need:.0f} "
                 f"MiB, {_available_mib():.0f} MiB available"}

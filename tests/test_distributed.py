@@ -26,6 +26,7 @@ def _gloo_worker(rank, world, tmp):
     try:
         _reduce_case(rank, tmp)
         _reduce_case(rank, tmp, "device")
+        _reduce_case(rank, tmp, "caller")
         _mismatch_case(rank, tmp)
         _mismatch_case(rank, tmp, "device")
         _lockstep_case(rank, tmp)
@@ -41,7 +42,9 @@ def gloo_run(tmp_path_factory):
 
 def _reduce_case(rank, tmp, on="host"):
     path = os.path.join(tmp, f"rank{rank}{on}.jsonl")
-    log = syncless.Logger(every=5, sinks=[syncless.sinks.JSONL(path)], reduce_on=on,
+    log = syncless.Logger(every=5, sinks=[syncless.sinks.JSONL(path)],
+                          reduce_on="device" if on == "device" else "host",
+                          delivery="caller" if on == "caller" else "thread",
                           max_delay=None if on == "device" else 2.0,
                           reduce={"loss": "mean", "best": "max", "worst": "min",
                                   "count": "sum"})
@@ -56,7 +59,7 @@ def _reduce_case(rank, tmp, on="host"):
     log.close()
 
 
-@pytest.mark.parametrize("on", ["host", "device"])
+@pytest.mark.parametrize("on", ["host", "device", "caller"])     # caller: host, delivery="caller"
 def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(gloo_run, on):
     out = gloo_run
     assert not (out / f"rank1{on}.jsonl").exists()        # sinks run on rank 0 only
@@ -67,7 +70,7 @@ def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(gloo_run, on):
         assert (r["loss"], r["best"], r["worst"], r["count"]) == \
             (loss, float(step), float(-step), 2.0), step
     # the host path adds the ranks' step times (from the second row on)
-    assert all(("ranks/slowest" in r) == (on == "host" and r["step"] > 0) for r in rows)
+    assert all(("ranks/slowest" in r) == (on != "device" and r["step"] > 0) for r in rows)
 
 
 def _mismatch_case(rank, tmp, on="host"):

@@ -30,7 +30,8 @@ import threading
 import time
 import weakref
 from types import FrameType
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, NoReturn, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple, NoReturn,
+                    TypeVar)
 
 import torch
 
@@ -41,6 +42,9 @@ from ._late import Late
 from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
 from ._checks import LOGGER_EVERY, check_every, check_max_delay
 from .rows import RESERVED, Row, check_sinks
+
+if TYPE_CHECKING:
+    from ._ranks import Stragglers
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
@@ -256,7 +260,7 @@ class _Readings:
                            dict(d.nonfinite), d.lost + lost, d.sink_errors, d.late.errors,
                            len(d.missing))
 
-    def stragglers(self) -> Any:
+    def stragglers(self) -> "Stragglers | None":
         """Which rank has been slowest, by how much, since which step (a `Stragglers`), from
         the ranks' own step times in the reduced rows; None before the first of them. Only for
         a Logger(reduce=...) reducing on the host (the default)."""
@@ -264,7 +268,8 @@ class _Readings:
         if r is None:
             raise ValueError("stragglers() needs Logger(reduce=...) with reduce_on='host' (the "
                              "default): the step times come from the exchange across ranks")
-        return r.stragglers()
+        found: Stragglers | None = r.stragglers()
+        return found
 
     @property
     def device(self) -> torch.device:
