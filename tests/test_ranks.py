@@ -394,17 +394,18 @@ def test_lightning_ddp_two_cpu_ranks_equal_a_plain_all_reduce(tmp_path):
     assert [v for _, v in res["rows"]] == res["ref"]
 
 
-def test_accelerate_launch_two_cpu_processes_equal_a_plain_all_reduce(tmp_path):
-    """`accelerate launch --cpu --num_processes 2`: mean and max equal the plain all-reduce."""
+def test_accelerate_two_cpu_processes_equal_a_plain_all_reduce(tmp_path):
+    """An Accelerator(cpu=True) script in 2 processes, which accelerate runs as MULTI_CPU
+    (`accelerate launch --cpu` starts one process here, so torchrun starts the two): mean and
+    max equal the plain all-reduce."""
     script = tmp_path / "train.py"
     script.write_text(ACCELERATE)
 
     def run(attempt):
         out = tmp_path / f"out{attempt}.json"
-        p = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu",
-                            "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-                            "no", "--dynamo_backend", "no", "--main_process_port",
-                            str(29500 + random.randrange(1000)), str(script)],
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                            "2", "--master_port", str(29500 + random.randrange(1000)),
+                            str(script)],
                            env=_env(OUT=str(out)), capture_output=True, text=True, timeout=300)
         return p.returncode, p.stderr, out
 
