@@ -192,9 +192,15 @@ def test_step_times_per_rank_and_the_slowest_rank_in_every_row(gloo_run):
         assert report["slowest_at"]["1"] == out["got"]["ranks/slowest"].count(1.0)
 
 
-def test_reduce_on_is_checked():
+def test_reduce_on_and_stragglers_are_checked():
     with pytest.raises(ValueError, match="reduce_on must be 'host'"):
         syncless.Logger(reduce_on="gpu")
+    with pytest.raises(ValueError, match="reduce_on='device'\) needs max_delay=None"):
+        syncless.Logger(reduce="mean", reduce_on="device")     # max_delay=2.0 by default
+    log = syncless.Logger()
+    with pytest.raises(ValueError, match=r"stragglers\(\) needs Logger\(reduce=...\)"):
+        log.stragglers()
+    log.close()
 
 
 def test_reduce_without_distributed_is_a_clear_error():

@@ -5,11 +5,9 @@ Real gloo processes on CPU; every case is slow-marked (spawning ranks costs seco
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -22,6 +20,13 @@ from _gloo import rerun_on_mesh_flake, spawn_ranks
 pytestmark = pytest.mark.slow
 
 
+def _env(**extra):
+    """The environment of a launched script: this checkout's syncless first, no GPU."""
+    python = os.path.join(os.path.dirname(__file__), "..", "python")
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", **extra,
+                PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
+
+
 def _init(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
                             rank=rank, world_size=world)
@@ -31,7 +36,7 @@ def _run(rank, log, steps, pace, value):
     x = torch.ones(1000)
     for step in range(steps):
         pace(step)
-        if x is not None and pace.lockstep:
+        if pace.lockstep:
             dist.all_reduce(x)                   # DDP's gradient all-reduce, every step
         log(loss=value(step, rank))
 
@@ -195,8 +200,7 @@ def test_a_rank_that_dies_or_hangs_leaves_the_others_close_bounded_naming_it(tmp
     world = 3
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(__file__), "..", "python"), os.environ.get("PYTHONPATH", "")]))
+    env = _env()
 
     def run(attempt):
         tmp = tmp_path / f"try{attempt}"
@@ -257,12 +261,10 @@ def test_torchrun_four_gloo_ranks_equal_a_plain_all_reduce(tmp_path):
     value equals the plain all-reduce (float64) of the same per-step values."""
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN)
-    python = os.path.join(os.path.dirname(__file__), "..", "python")
 
     def run(attempt):
         out = tmp_path / f"out{attempt}.json"
-        env = dict(os.environ, OUT=str(out),
-                   PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
+        env = _env(OUT=str(out))
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                             "4", "--master_port", str(29500 + random.randrange(1000)),
                             str(script)], env=env, capture_output=True, text=True, timeout=300)
@@ -363,12 +365,6 @@ if rank == 0:
     json.dump({"world": world, "rows": rows, "mean": (mean / world).tolist(),
                "peak": peak.tolist()}, open(os.environ["OUT"], "w"))
 '''
-
-
-def _env(**extra):
-    python = os.path.join(os.path.dirname(__file__), "..", "python")
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", **extra,
-                PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
 
 
 def test_lightning_ddp_two_cpu_ranks_equal_a_plain_all_reduce(tmp_path):
