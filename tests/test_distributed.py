@@ -195,7 +195,7 @@ def test_step_times_per_rank_and_the_slowest_rank_in_every_row(gloo_run):
 def test_reduce_on_and_stragglers_are_checked():
     with pytest.raises(ValueError, match="reduce_on must be 'host'"):
         syncless.Logger(reduce_on="gpu")
-    with pytest.raises(ValueError, match="reduce_on='device'\) needs max_delay=None"):
+    with pytest.raises(ValueError, match=r"reduce_on='device'\) needs max_delay=None"):
         syncless.Logger(reduce="mean", reduce_on="device")     # max_delay=2.0 by default
     log = syncless.Logger()
     with pytest.raises(ValueError, match=r"stragglers\(\) needs Logger\(reduce=...\)"):
