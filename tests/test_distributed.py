@@ -210,7 +210,7 @@ def test_reduce_without_distributed_is_a_clear_error():
         syncless.Logger(sinks_on="some")
 
 
-def _nccl_worker(rank, world, tmp, steps):
+def _nccl_worker(rank, world, tmp, steps, on):
     _init(rank, world, os.path.join(tmp, "store"), "nccl")
     torch.cuda.set_device(rank)
     try:
@@ -222,7 +222,8 @@ def _nccl_worker(rank, world, tmp, steps):
         x = torch.randn(steps, 32, 64, device="cuda")
         y = torch.randint(0, 10, (steps, 32), device="cuda")
         rows = []
-        log = syncless.Logger(every=100, reduce="mean", device="cuda",
+        log = syncless.Logger(every=100, reduce="mean", device="cuda", reduce_on=on,
+                              max_delay=None if on == "device" else 2.0,
                               sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, v)))])
         kept = []
         for _ in range(3):                                   # warm-up outside the check
@@ -257,9 +258,10 @@ def _nccl_worker(rank, world, tmp, steps):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_ddp_1000_steps_reduced_exactly_with_zero_syncs(tmp_path):
+@pytest.mark.parametrize("on", ["host", "device"])
+def test_nccl_ddp_1000_steps_reduced_exactly_with_zero_syncs(tmp_path, on):
     steps = 1000
-    mp.start_processes(_nccl_worker, args=(2, str(tmp_path), steps), nprocs=2,
+    mp.start_processes(_nccl_worker, args=(2, str(tmp_path), steps, on), nprocs=2,
                        start_method="spawn")
     out = json.loads((tmp_path / "nccl.json").read_text())
     assert out["steps"] == list(range(steps))
