@@ -70,6 +70,16 @@ dist.destroy_process_group()
 '''
 
 
+def host_name():
+    """The machine, named: no GPU, the CPU model, its cores and memory."""
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f
+                      if line.startswith("model name")), "unknown CPU")
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+    return f"no GPU: CPU host, {model}, {os.cpu_count()} cores, {total / 2**20:.0f} GiB"
+
+
 def _available_mib():
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 1024
@@ -162,6 +172,7 @@ def main(argv=None):
             + "\n\nA rank count that did not run says why (the sweep stops there).")
     data = {"env": env_info(torch.device("cpu"), sys.argv[1:], "benchmarks.ranks"),
             "args": vars(args), "results": results}
+    data["env"]["gpu"] = host_name()
     write_results(args.out, "ranks", data, text)
 
 
