@@ -5,7 +5,10 @@ and gloo with --device cpu).
 
 Variants, interleaved round by round (same order on every rank), medians over rounds:
   no logging          metrics computed, not logged
-  syncless reduce     syncless.Logger(reduce="mean"): one async all-reduce per flush (every 100)
+  syncless reduce     syncless.Logger(reduce="mean"): the default, reduce_on="host": the
+                      delivered rows are reduced on a gloo group by the logger's own thread
+  syncless reduce_on=device  Logger(reduce="mean", reduce_on="device", max_delay=None): one
+                      async all-reduce per flush (every 100), enqueued on the training stream
   all_reduce+.item()  per step: all_reduce of the 4 metrics, then .item() each (Lightning's
                       sync_dist style)
 Each rank times its own steps (synchronize before reading the clock); rank 0 reports the
@@ -25,7 +28,7 @@ import torch.multiprocessing as mp
 from ._common import (arg_parser, env_info, md_table, num, pct_ci, pct_spread, pick_device,
                       ratio_summary, summarize, write_results)
 
-VARIANTS = ("no logging", "syncless reduce", "all_reduce+.item()")
+VARIANTS = ("no logging", "syncless reduce", "syncless reduce_on=device", "all_reduce+.item()")
 
 
 def worker(rank, world, store, args, out_path):
@@ -50,6 +53,8 @@ def worker(rank, world, store, args, out_path):
     x = torch.randn(args.batch, width, device=dev)
     y = torch.randint(0, 10, (args.batch,), device=dev)
     log = syncless.Logger(every=100, reduce="mean", device=dev)
+    log_dev = syncless.Logger(every=100, reduce="mean", device=dev, reduce_on="device",
+                              max_delay=None)
 
     def step(record):
         logits = model(x)
@@ -71,6 +76,8 @@ def worker(rank, world, store, args, out_path):
     record = dict(zip(VARIANTS, (lambda *m: None,
                                  lambda loss, acc, gn, conf: log(loss=loss, acc=acc,
                                                                  grad_norm=gn, conf=conf),
+                                 lambda loss, acc, gn, conf: log_dev(loss=loss, acc=acc,
+                                                                     grad_norm=gn, conf=conf),
                                  sync_dist)))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for fn in record.values():                                 # warm-up
@@ -89,6 +96,7 @@ def worker(rank, world, store, args, out_path):
             sync()
             times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
     log.close()
+    log_dev.close()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(times, f)
@@ -134,7 +142,7 @@ def main(argv=None) -> int:
         res["variants"][name] = {"ms_per_step": summarize(t)}
         if name != "no logging":
             res["variants"][name]["vs_none"] = ratio_summary(times, name, "no logging")
-    write_results(args.out, "ddp_logging", res, markdown(res))
+    write_results(args.out, "ddp_logging" if cuda else "ddp_logging_cpu", res, markdown(res))
     return 0
 
 

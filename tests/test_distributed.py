@@ -1,6 +1,7 @@
 """Logger(reduce=...) across real torch.distributed processes: gloo on CPU (CI), NCCL on 2 GPUs."""
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -24,7 +25,12 @@ def _gloo_worker(rank, world, tmp):
     _init(rank, world, os.path.join(tmp, "store"), "gloo")
     try:
         _reduce_case(rank, tmp)
+        _reduce_case(rank, tmp, "device")
+        _reduce_case(rank, tmp, "caller")
         _mismatch_case(rank, tmp)
+        _mismatch_case(rank, tmp, "device")
+        _lockstep_case(rank, tmp)
+        _straggler_case(rank, tmp)
     finally:
         dist.destroy_process_group()
 
@@ -34,9 +40,12 @@ def gloo_run(tmp_path_factory):
     return spawn_ranks(_gloo_worker, tmp_path_factory.mktemp("gloo"))
 
 
-def _reduce_case(rank, tmp):
-    path = os.path.join(tmp, f"rank{rank}.jsonl")
+def _reduce_case(rank, tmp, on="host"):
+    path = os.path.join(tmp, f"rank{rank}{on}.jsonl")
     log = syncless.Logger(every=5, sinks=[syncless.sinks.JSONL(path)],
+                          reduce_on="device" if on == "device" else "host",
+                          delivery="caller" if on == "caller" else "thread",
+                          max_delay=None if on == "device" else 2.0,
                           reduce={"loss": "mean", "best": "max", "worst": "min",
                                   "count": "sum"})
     for step in range(STEPS):
@@ -50,19 +59,25 @@ def _reduce_case(rank, tmp):
     log.close()
 
 
-def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(gloo_run):
+@pytest.mark.parametrize("on", ["host", "device", "caller"])     # caller: host, delivery="caller"
+def test_gloo_two_ranks_reduce_exactly_and_rank0_writes(gloo_run, on):
     out = gloo_run
-    assert not (out / "rank1.jsonl").exists()             # sinks run on rank 0 only
-    rows = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()]
+    assert not (out / f"rank1{on}.jsonl").exists()        # sinks run on rank 0 only
+    rows = [json.loads(line) for line in (out / f"rank0{on}.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
     for step, r in enumerate(rows):
         loss = step if step % 4 == 0 else (step + (step + 10.0)) / 2
         assert (r["loss"], r["best"], r["worst"], r["count"]) == \
             (loss, float(step), float(-step), 2.0), step
+    # the host path adds the ranks' step times (from the second row on)
+    assert all(("ranks/slowest" in r) == (on != "device" and r["step"] > 0) for r in rows)
 
 
-def _mismatch_case(rank, tmp):
-    log = syncless.Logger(every=3, reduce="mean")
+def _mismatch_case(rank, tmp, on="host"):
+    rows = []
+    log = syncless.Logger(every=3, reduce="mean", reduce_on=on,
+                          max_delay=None if on == "device" else 2.0,
+                          sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append(v))])
     message = "no error"
     try:
         for step in range(6):
@@ -70,21 +85,122 @@ def _mismatch_case(rank, tmp):
             if rank == 1:
                 metrics["extra"] = 1.0
             log.log(metrics)
+        log.close()          # reduce_on="host": the error comes at close(), every row delivered
     except ValueError as exc:
         message = str(exc)
-    with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
+    with open(os.path.join(tmp, f"err{rank}{on}.txt"), "w") as f:
         f.write(message)
+    if on == "host":
+        with open(os.path.join(tmp, f"mismatch{rank}.json"), "w") as f:
+            json.dump(rows, f)
     log.sinks = []
     log._host_rows = []
     log.close()
 
 
-def test_a_rank_with_other_metric_names_gets_a_clear_error_not_a_hang(gloo_run):
+@pytest.mark.parametrize("on", ["host", "device"])
+def test_a_rank_with_other_metric_names_gets_a_clear_error_not_a_hang(gloo_run, on):
     out = gloo_run
     for rank in (0, 1):
-        text = (out / f"err{rank}.txt").read_text()
+        text = (out / f"err{rank}{on}.txt").read_text()
         assert "every rank must log the same metric names" in text, text
         assert "extra" in text
+    if on == "host":     # reduced over the ranks that logged it (rank 1's 1.0), the rest exact
+        rows = json.loads((out / "mismatch0.json").read_text())
+        assert [r["loss"] for r in rows] == [float(s) for s in range(6)]
+        assert [r["extra"] for r in rows] == [1.0] * 6
+
+
+def _lockstep_case(rank, tmp):
+    """DDP's pattern (a collective of the user's every step) with windows handed over at
+    different steps on each rank (max_delay, rank-dependent sleeps): the profiler sees no
+    collective of the Logger's on the training thread, only the user's."""
+    rows = []
+    log = syncless.Logger(every=7, max_delay=0.002, reduce="mean",
+                          sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, v)))])
+    x = torch.ones(10)
+    steps = 40
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(steps):
+            time.sleep(0.001 * (1 + rank * (step % 3)))
+            dist.all_reduce(x)
+            log(loss=float(step + rank))
+    log.close()
+    main = {e.thread for e in prof.events() if e.name == "c10d::allreduce_"}
+    mine = [e.name for e in prof.events() if e.thread in main and e.name.startswith("c10d::")]
+    with open(os.path.join(tmp, f"lockstep{rank}.json"), "w") as f:
+        json.dump({"rows": rows, "c10d": mine, "windows": log.stats.windows,
+                   "exchanges": log._ranks.exchanges, "collectives": log._ranks.collectives}, f)
+
+
+def test_no_collective_of_the_logger_on_the_training_thread(gloo_run):
+    for rank in (0, 1):
+        out = json.loads((gloo_run / f"lockstep{rank}.json").read_text())
+        assert out["c10d"] == ["c10d::allreduce_"] * 40        # the user's own, nothing else
+        assert out["collectives"] >= out["exchanges"] > 0      # the Logger's: on its thread
+    rows = json.loads((gloo_run / "lockstep0.json").read_text())["rows"]
+    assert [s for s, _ in rows] == list(range(40))
+    assert [v["loss"] for _, v in rows] == [s + 0.5 for s in range(40)]
+
+
+def _straggler_case(rank, tmp):
+    """Rank 1 sleeps 3x longer per step and nothing keeps the ranks in step: every rank gets
+    every reduced row (sinks_on="all"), whose time is its own row's: the step times can be
+    recomputed from them and reduced with plain collectives."""
+    rows = []
+    log = syncless.Logger(every=5, max_delay=0.01, reduce="mean", sinks_on="all",
+                          sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, t, v)))])
+    steps = 30
+    for step in range(steps):
+        time.sleep(0.003 * (3 if rank == 1 else 1))
+        log(loss=float(step), acc=float(rank))
+    log.close()
+    assert [s for s, _, _ in rows] == list(range(steps))
+    own = torch.tensor([t * 1e3 for _, t, _ in rows], dtype=torch.float64)
+    ms = own[1:] - own[:-1]
+    lo, hi = ms.clone(), ms.clone()
+    dist.all_reduce(lo, dist.ReduceOp.MIN)
+    dist.all_reduce(hi, dist.ReduceOp.MAX)
+    both = [torch.empty_like(ms) for _ in range(2)]
+    dist.all_gather(both, ms)
+    median = torch.stack(both).mean(0)                     # two ranks: the mean of the two
+    slowest = torch.stack(both).argmax(0)
+    got = {k: [v[k] for _, _, v in rows[1:]] for k in
+           ("ranks/step_ms/min", "ranks/step_ms/median", "ranks/step_ms/max", "ranks/slowest")}
+    with open(os.path.join(tmp, f"straggler{rank}.json"), "w") as f:
+        json.dump({"got": got, "want": {"ranks/step_ms/min": lo.tolist(),
+                                        "ranks/step_ms/median": median.tolist(),
+                                        "ranks/step_ms/max": hi.tolist(),
+                                        "ranks/slowest": slowest.double().tolist()},
+                   "first": rows[0][2], "loss": [v["loss"] for _, _, v in rows],
+                   "acc": [v["acc"] for _, _, v in rows],
+                   "stragglers": log.stragglers()._asdict()}, f)
+
+
+def test_step_times_per_rank_and_the_slowest_rank_in_every_row(gloo_run):
+    for rank in (0, 1):
+        out = json.loads((gloo_run / f"straggler{rank}.json").read_text())
+        assert out["got"] == out["want"]
+        # 3x the sleep; a step of rank 0's may still be slower on 2 loaded cores (a hiccup)
+        assert out["got"]["ranks/slowest"].count(1.0) >= 26
+        assert "ranks/slowest" not in out["first"]          # no step before the first
+        assert out["loss"] == [float(s) for s in range(30)]
+        assert out["acc"] == [0.5] * 30
+        report = out["stragglers"]
+        assert report["rank"] == 1 and report["steps"] >= 20
+        assert report["slower_by"] > 0.2                    # 3x the sleep: ~0.5 over the median
+        assert report["slowest_at"]["1"] == out["got"]["ranks/slowest"].count(1.0)
+
+
+def test_reduce_on_and_stragglers_are_checked():
+    with pytest.raises(ValueError, match="reduce_on must be 'host'"):
+        syncless.Logger(reduce_on="gpu")
+    with pytest.raises(ValueError, match=r"reduce_on='device'\) needs max_delay=None"):
+        syncless.Logger(reduce="mean", reduce_on="device")     # max_delay=2.0 by default
+    log = syncless.Logger()
+    with pytest.raises(ValueError, match=r"stragglers\(\) needs Logger\(reduce=...\)"):
+        log.stragglers()
+    log.close()
 
 
 def test_reduce_without_distributed_is_a_clear_error():
@@ -94,7 +210,7 @@ def test_reduce_without_distributed_is_a_clear_error():
         syncless.Logger(sinks_on="some")
 
 
-def _nccl_worker(rank, world, tmp, steps):
+def _nccl_worker(rank, world, tmp, steps, on):
     _init(rank, world, os.path.join(tmp, "store"), "nccl")
     torch.cuda.set_device(rank)
     try:
@@ -106,7 +222,8 @@ def _nccl_worker(rank, world, tmp, steps):
         x = torch.randn(steps, 32, 64, device="cuda")
         y = torch.randint(0, 10, (steps, 32), device="cuda")
         rows = []
-        log = syncless.Logger(every=100, reduce="mean", device="cuda",
+        log = syncless.Logger(every=100, reduce="mean", device="cuda", reduce_on=on,
+                              max_delay=None if on == "device" else 2.0,
                               sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, v)))])
         kept = []
         for _ in range(3):                                   # warm-up outside the check
@@ -141,9 +258,10 @@ def _nccl_worker(rank, world, tmp, steps):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_ddp_1000_steps_reduced_exactly_with_zero_syncs(tmp_path):
+@pytest.mark.parametrize("on", ["host", "device"])
+def test_nccl_ddp_1000_steps_reduced_exactly_with_zero_syncs(tmp_path, on):
     steps = 1000
-    mp.start_processes(_nccl_worker, args=(2, str(tmp_path), steps), nprocs=2,
+    mp.start_processes(_nccl_worker, args=(2, str(tmp_path), steps, on), nprocs=2,
                        start_method="spawn")
     out = json.loads((tmp_path / "nccl.json").read_text())
     assert out["steps"] == list(range(steps))

@@ -49,7 +49,8 @@ GPU_LAG = "gpu/lag_ms"
 GPU_STEPS_KEPT = 8192                 # steps whose GPU clock Logger.gpu_steps() can return
 
 # A job: ("window", Source, window, flushed_at, ticket), ("rows", host rows, n, rows to
-# deliver, ticket) or ("late", _late.Late); the drivers add their own ("marker", "stop").
+# deliver, ticket), ("reduced", rows, n, rows, 0) (rows reduced across ranks, see _ranks) or
+# ("late", _late.Late); the drivers add their own ("marker", "stop").
 Job = tuple[Any, ...]
 
 
@@ -115,6 +116,9 @@ class Delivery:
         self._gpu_time = gpu_time
         self.late = LateValues()
         self.clock = _GpuClock()
+        # Logger(reduce=...) on the host (_ranks.Ranks): this rank's rows go there instead of
+        # to the sinks, and come back as "reduced" jobs.
+        self.exchange: Any = None
         # A thread that take_over() left behind commits nothing (see abandon). Re-entrant, as
         # is the thread driver's _claim: a signal handler's close() landing inside close()'s
         # own take_over() on the training thread would otherwise wait for its own thread.
@@ -168,15 +172,22 @@ class Delivery:
             return
         try:
             nonfinite = dict(self.nonfinite)
-            if kind == "rows":
+            exchange = self.exchange if kind != "reduced" else None
+            if kind == "rows" or kind == "reduced":
                 src, n, out = job[1], job[2], job[3]
                 rows = out[self._src_done if src is self._src else 0:n]
+                if exchange is not None:
+                    self._exchange(exchange, rows, job, (None, 0, 0, src, n))
+                    return
                 _C.tally(rows, None, nonfinite)
                 self._emit(rows, None, False, blocking, job, nonfinite, (None, 0, 0, src, n))
             else:
                 gen, w, flushed_at = job[1], job[2], job[3]
                 rows, latest_done, counter = self._decode(gen, w, flushed_at, nonfinite)
                 lost = max(gen.next_seq, counter - gen.capacity) - gen.next_seq
+                if exchange is not None:
+                    self._exchange(exchange, rows, job, (gen, counter, lost, None, 0))
+                    return
                 self._emit(rows, None, latest_done, blocking, job, nonfinite,
                            (gen, counter, lost, None, 0))
         except TimeoutError as exc:               # close()'s deadline: a copy never landed
@@ -212,9 +223,10 @@ class Delivery:
         """The window's rows, whether `latest` already holds their values, and the counter."""
         self.wait_copy(w)
         # The rows are made in C, `latest` updated there too (unless rows may be held back, be
-        # merged with late values or gain GPU-clock metrics): no Python work per row, under the
-        # GIL the training thread needs. A graph replay's row takes flushed_at as its time.
-        latest = None if self.late.hold or self._gpu_time else self.latest
+        # merged with late values, gain GPU-clock metrics or be reduced across ranks): no Python
+        # work per row, under the GIL the training thread needs. A graph replay's row takes flushed_at as its time.
+        latest = None if self.late.hold or self._gpu_time or self.exchange is not None \
+            else self.latest
         clock: list[tuple[int, bool]] | None = [] if self._gpu_time else None
         counter, rows = w.win.decode(gen.next_seq, self._names, nonfinite, Row, flushed_at,
                                      latest, clock)
@@ -222,6 +234,24 @@ class Delivery:
             row.gpu_ns = gpu_ns                  # an attribute costs each row a dict: opt-in
             self.clock.add(row, captured=replayed)
         return rows, latest is not None, counter
+
+    def _exchange(self, exchange: Any, rows: list[Row], job: Job,
+                  done: tuple[Any, int, int, Any, int]) -> None:
+        """This rank's rows go to the cross-rank exchange (reduce_on="host"), which hands them
+        back reduced; the job is done here (its window may be reused). Committed like _emit."""
+        exchange.wait_room()                 # the bound on rows waiting; changes nothing
+        gen, counter, lost, src, n = done
+        with self._commit:
+            if self._abandoned == threading.get_ident():
+                return
+            if gen is not None:
+                gen.next_seq = counter
+            if src is not None:
+                self._src = src
+                self._src_done = n
+            self.lost += lost
+            self.ran = job
+            exchange.put(rows)
 
     # ---- the commit --------------------------------------------------------------------------
 

@@ -197,6 +197,11 @@ class Handover:
         self.pool.taken = ticket
         self._deliver()                      # delivery="caller": host rows need no copy
 
+    def submit_reduced(self, job: Job) -> None:
+        """From the cross-rank exchange's thread (_ranks): rows reduced across ranks, delivered
+        like host rows (no ticket: they hold no window)."""
+        self._submit(job)
+
     def start_closing(self, timeout: float | None) -> None:
         """close() begins: from here on late values and copies are waited for `timeout`
         seconds at most (None: no bound)."""

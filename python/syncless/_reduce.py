@@ -28,15 +28,24 @@ _Groups = list[tuple[str, torch.Tensor | None]]
 OPS = ("mean", "sum", "min", "max")
 
 
+def parse_reduce(reduce: str | Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """(the default op, {metric: op}) of a `reduce=` argument, or ValueError naming the metric."""
+    if isinstance(reduce, str):
+        default, per_metric = reduce, {}
+    else:
+        default, per_metric = "mean", dict(reduce)
+    for name, op in [("default", default), *per_metric.items()]:
+        if op not in OPS:
+            raise ValueError(f"reduce for {name!r} must be one of {OPS}, got {op!r}")
+    return default, per_metric
+
+
 class Reducer:
+    """reduce_on="device": the window's all-reduce enqueued on the training stream at each flush
+    (the host path, the default, is `_ranks`)."""
+
     def __init__(self, reduce: str | Mapping[str, str]):
-        if isinstance(reduce, str):
-            self.default, self.per_metric = reduce, {}
-        else:
-            self.default, self.per_metric = "mean", dict(reduce)
-        for name, op in [("default", self.default), *self.per_metric.items()]:
-            if op not in OPS:
-                raise ValueError(f"reduce for {name!r} must be one of {OPS}, got {op!r}")
+        self.default, self.per_metric = parse_reduce(reduce)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Logger(reduce=...) needs torch.distributed initialised first "
                                "(dist.init_process_group)")

@@ -30,7 +30,8 @@ import threading
 import time
 import weakref
 from types import FrameType
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, NoReturn, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple, NoReturn,
+                    TypeVar)
 
 import torch
 
@@ -41,6 +42,9 @@ from ._late import Late
 from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
 from ._checks import LOGGER_EVERY, check_every, check_max_delay
 from .rows import RESERVED, Row, check_sinks
+
+if TYPE_CHECKING:
+    from ._ranks import Stragglers
 
 __all__ = ["Logger", "Row", "LoggerStats"]
 
@@ -92,7 +96,7 @@ class _Generation:
 
 
 def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sinks_on: Any,
-                   delivery: Any) -> None:
+                   delivery: Any, reduce_on: Any = "host") -> None:
     check_every(every)
     check_every(windows, "windows")
     check_max_delay(max_delay)
@@ -104,6 +108,10 @@ def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sink
                              f"({every} rows)")
     if sinks_on not in ("rank0", "all"):
         raise ValueError(f"sinks_on must be 'rank0' or 'all', got {sinks_on!r}")
+    if reduce_on not in ("host", "device"):
+        raise ValueError(f"reduce_on must be 'host' (the delivered rows are reduced on a gloo "
+                         f"group, off the training stream) or 'device' (an all-reduce on the "
+                         f"training stream at each flush), got {reduce_on!r}")
     if delivery not in ("thread", "caller"):
         raise ValueError(f"delivery must be 'thread' (a thread of the logger's calls the "
                          f"sinks) or 'caller' (the logging thread does, at its flushes), "
@@ -143,6 +151,13 @@ def _make_reducer(reduce: str | Mapping[str, str]) -> Any:
     return Reducer(reduce)
 
 
+def _make_ranks(reduce: str | Mapping[str, str], every: int, max_delay: float | None) -> Any:
+    from ._ranks import Ranks
+    # A rank with nothing new still joins an exchange this often, so the others' rows go on.
+    heartbeat = min(1.0, max(0.05, 1.0 if max_delay is None else max_delay))
+    return Ranks(reduce, every, heartbeat)
+
+
 def _cuda_index(device: str | int | torch.device | None) -> int | None:
     """The CUDA device index of Logger(device=...), None for the CPU (or no device given)."""
     if device is None:
@@ -169,6 +184,7 @@ class _Readings:
     _max_delay_given: float | None
     _delivery: Delivery
     _handover: Handover
+    _ranks: Any                          # _ranks.Ranks of a Logger(reduce=...) on the host
 
     @property
     def sinks(self) -> list[Any]:
@@ -238,8 +254,22 @@ class _Readings:
     @property
     def stats(self) -> LoggerStats:
         d, h = self._delivery, self._handover
-        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits, dict(d.nonfinite),
-                           d.lost, d.sink_errors, d.late.errors, len(d.missing))
+        r = self._ranks
+        waits, lost = (0, 0) if r is None else (r.waits, r.lost)
+        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits + waits,
+                           dict(d.nonfinite), d.lost + lost, d.sink_errors, d.late.errors,
+                           len(d.missing))
+
+    def stragglers(self) -> "Stragglers | None":
+        """Which rank has been slowest, by how much, since which step (a `Stragglers`), from
+        the ranks' own step times in the reduced rows; None before the first of them. Only for
+        a Logger(reduce=...) reducing on the host (the default)."""
+        r = self._ranks
+        if r is None:
+            raise ValueError("stragglers() needs Logger(reduce=...) with reduce_on='host' (the "
+                             "default): the step times come from the exchange across ranks")
+        found: Stragglers | None = r.stragglers()
+        return found
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +317,16 @@ class Logger(_Readings):
     not begun), so a sink that must not be cut short belongs to the default delivery.
 
     `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
-    exit wait for late values and device copies (see close()).
+    exit wait for late values and device copies (see close()), and, reducing, for the other
+    ranks' last rows.
+
+    `reduce` ("mean", "sum", "min", "max" or {metric: op}): deliver rows reduced across the
+    ranks of torch.distributed. `reduce_on="host"` (default): the delivered rows are reduced on
+    a gloo group of the Logger's, by a thread of its own, aligned by step: the training loop
+    enqueues no collective and never waits for another rank; each row also gets the ranks' step
+    times (ranks/step_ms/min|median|max, ranks/slowest; see stragglers()). `reduce_on="device"`:
+    one all-reduce per window on the training stream, before the copy (needs max_delay=None,
+    so that every rank hands its windows over at the same steps). See docs/logger.md.
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
@@ -300,11 +339,21 @@ class Logger(_Readings):
                  windows: int = 4, reduce: str | Mapping[str, str] | None = None,
                  sinks_on: str = "rank0", gpu_time: bool = False, threads: bool = False,
                  delivery: str = "thread", max_delay: float | None = 2.0,
-                 close_timeout: float | None = 30.0):
-        _check_options(every, windows, capacity, max_delay, sinks_on, delivery)
+                 close_timeout: float | None = 30.0, reduce_on: str = "host"):
+        _check_options(every, windows, capacity, max_delay, sinks_on, delivery, reduce_on)
         sinks = check_sinks(sinks)
         self.close_timeout = _check_timeout(close_timeout, "close_timeout")
-        self._reducer = None if reduce is None else _make_reducer(reduce)
+        self._reducer = self._ranks = None
+        if reduce is not None and reduce_on == "device":
+            if max_delay is not None:
+                raise ValueError(
+                    "Logger(reduce=..., reduce_on='device') needs max_delay=None: max_delay hands "
+                    "a window over at a time each rank reads on its own clock, so the ranks would "
+                    "all-reduce different steps, or wait for each other forever (the default, "
+                    "reduce_on='host', has no such limit)")
+            self._reducer = _make_reducer(reduce)
+        elif reduce is not None:
+            self._ranks = _make_ranks(reduce, every, max_delay)
         self.rank = _rank()
         if sinks_on == "rank0" and self.rank != 0:
             sinks = []                   # data-parallel: rank 0 writes, the others only reduce
@@ -331,6 +380,9 @@ class Logger(_Readings):
         self._handover = ThreadHandover(self._delivery, windows, self._lock) \
             if delivery == "thread" else \
             CallerHandover(self._delivery, windows, self._lock, _unowned(self))
+        if self._ranks is not None:
+            self._delivery.exchange = self._ranks
+            self._ranks.start(self._handover.submit_reduced)
         self._pid = os.getpid()
         _live.add(self)
         _compile.track(self)
@@ -661,6 +713,12 @@ class Logger(_Readings):
             self._handover.start_closing(timeout)
             self._closed = True
             self._flush_window()
+        ranks = self._ranks
+        if ranks is not None:               # every rank's last rows, reduced (see _ranks)
+            deadline = d.late.deadline
+            ranks.closing_by(deadline)
+            self._handover.drain(_INF, deadline)    # this rank's rows all reach the exchange
+            ranks.finish(deadline)
         self._handover.close(timeout)       # deliver, stop the driver, close the sinks
         if self._gen is not None and self._gen.captured:
             _captured_rings.append(self._gen.memory)
@@ -671,6 +729,8 @@ class Logger(_Readings):
             _log.warning("syncless: close() stopped waiting after %s s for %s; the rows went out "
                          "without them (counted in stats.missing)", timeout,
                          ", ".join(d.missing))
+        if ranks is not None and ranks.error is not None:
+            raise ranks.error
 
     def __enter__(self) -> "Logger":
         return self
@@ -742,7 +802,9 @@ def _finalize(log: Logger) -> None:
     join)."""
     if getattr(log, "_finished", True) or getattr(log, "_pid", None) != os.getpid():
         return
-    if log._reducer is not None:
+    if log._ranks is not None:
+        log._ranks.stop()
+    if log._reducer is not None or log._ranks is not None:
         pending = log._calls - log._delivery.delivered
         if pending:
             _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d rows "
