@@ -636,6 +636,15 @@ class Logger(_Readings):
             upto = self._last_step
         if wait:
             self._handover.drain(upto)
+        self._raise_users()
+
+    def _raise_users(self) -> None:
+        """Raise the KeyboardInterrupt (or other BaseException that is no Exception) that a
+        sink or an attach() fn raised, here on the training thread where the user can act on it:
+        it was reported when it came, the rows went on, and this call did its work first."""
+        exc = self._delivery.pop_raised()
+        if exc is not None:
+            raise exc
 
     def close(self, timeout: Any = _NO_TIMEOUT) -> None:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent, and
@@ -644,7 +653,15 @@ class Logger(_Readings):
         waited for `timeout` seconds at most (default: the Logger's close_timeout, 30 s; None:
         no bound): an attach() fn, a timer on a stream that never completes, a copy that never
         lands. Those that did not come by then are left out of the rows, counted in
-        stats.missing and named in one warning, and close() returns."""
+        stats.missing and named in one warning, and close() returns; a sink's call that did not
+        return within a second more is left running and reported. A KeyboardInterrupt (or other
+        BaseException) that a sink or an attach() fn raised is reported when it comes and raised
+        again here (or by flush()), after the work is done."""
+        self._close(timeout)
+        self._raise_users()
+
+    def _close(self, timeout: Any = _NO_TIMEOUT) -> None:
+        """close() without raising what the user's code raised (the exit hook, a finalizer)."""
         self._handover.refuse_on_thread("close()")
         if self._finished:
             return
@@ -756,7 +773,7 @@ def _finalize(log: Logger) -> None:
     interrupted = False
     for _ in range(3):
         try:
-            log.close()
+            log._close()
             break
         except KeyboardInterrupt:
             interrupted = True
@@ -811,15 +828,15 @@ def _close_all() -> None:
     for log in list(_live):
         for attempt in range(1, 5):
             try:
-                log.close()
+                log._close()
                 break
-            except KeyboardInterrupt:
+            except Exception as exc:
+                _log.error("syncless: closing %r at exit failed: %s", log, exc)
+                break
+            except BaseException:                # Ctrl-C, or a handler's exit, at exit
                 if attempt == 4:
                     _log.error("syncless: closing %r at exit interrupted %d times: rows not "
                                "delivered yet are lost", log, attempt)
                 else:
                     _log.warning("syncless: closing %r at exit was interrupted; finishing it "
                                  "(interrupt %d more times to give up)", log, 4 - attempt)
-            except Exception as exc:
-                _log.error("syncless: closing %r at exit failed: %s", log, exc)
-                break
