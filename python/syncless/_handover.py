@@ -200,6 +200,7 @@ class Handover:
             _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "
                        "rows still queued were not delivered", timeout)
         self.delivery.close_sinks()
+        self.delivery.whole.stop()
 
     def forget(self, lock: threading.RLock) -> None:
         """In a forked child: drop the parent's windows, jobs and thread without touching them."""

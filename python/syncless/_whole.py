@@ -106,6 +106,13 @@ class Whole:
             self.gate = _locked()
             self._thread = None
 
+    def stop(self) -> None:
+        """The logger closed: the helper ends (a later call starts another)."""
+        gate = self.gate
+        self.gate = _locked()
+        self._thread = None
+        gate.release()                       # wakes it: it finds its gate replaced, and ends
+
     def forget(self) -> None:
         """In a forked child: the parent's helper does not run here."""
         self.busy = None
@@ -118,7 +125,7 @@ class Whole:
         while True:
             gate.acquire()
             if gate is not self.gate:
-                return                       # abandoned (see abandon)
+                return                       # stopped, or abandoned (see abandon)
             job = self.busy
             if job is None:
                 continue
