@@ -282,17 +282,20 @@ class Logger(_Readings):
     have landed by then (an event query; it waits only when every window is undelivered), so
     rows reach the sinks one flush later and no second thread competes for the GIL: the choice
     for a host-bound loop (a small compiled or graphed step) with quick sinks. The sinks' time
-    is then the loop's, and so are its interrupts: a Ctrl-C that lands inside a sink's write()
-    stops that sink there (the next flush goes on from the next sink, or from that one if it had
-    not begun), so a sink that must not be cut short belongs to the default delivery.
+    is then the loop's. On the main thread each sink call runs on a helper thread of the
+    logger's while the loop waits for it: a Ctrl-C stops the wait, never the sink's write(), and
+    the rows of every call that returned reach every sink once.
 
     `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
     exit wait for late values and device copies (see close()).
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
-    loop it interrupted is inside log(), flush() or close(): every row accepted is delivered
-    once, and close() interrupted (a second Ctrl-C) is finished by the next close() or at exit.
+    loop it interrupted is inside log(), flush() or close(), or a delivery (either mode): every
+    row accepted is delivered once and is out when the handler's call returns, and close()
+    interrupted (a second Ctrl-C) is finished by the next close() or at exit. A KeyboardInterrupt
+    raised by a sink or an attach() fn is reported, and raised again by the next flush() or
+    close() after its work.
     """
 
     def __init__(self, every: int = LOGGER_EVERY, sinks: Iterable[Any] | Any = (), *,
@@ -461,7 +464,7 @@ class Logger(_Readings):
         """Add a value that becomes known later to the row of `step` (default: the last logged
         step). `resolve()` runs on the delivery thread when that row is delivered, may wait
         there (never in the training loop) and returns a float. With delivery="caller" it runs
-        in the loop, at a flush: one with a `poll()` method (None until the value is known, as
+        for the loop, at a flush, which waits for it: one with a `poll()` method (None until the value is known, as
         a timer's reader has) holds the row back to a later flush instead of being waited for.
         Values attached under one name for one step add up. If the step's row already went to
         the sinks, the value comes as a row of its own at that step (`row.late` is True).
