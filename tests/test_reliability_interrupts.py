@@ -452,3 +452,94 @@ def test_exit_with_a_stuck_sink_and_a_raising_attach_fn_is_bounded_by_close_time
         assert "good closed with 6" in r.stdout, r.stdout
     else:
         assert "good closed with" in r.stdout, r.stdout
+
+
+# ---- a handler that flushes over and over, two sinks, attached values ---------------------------
+
+FLUSHING_HANDLER = """
+    import collections, random, signal
+    import syncless
+
+    delivery = {delivery!r}
+    random.seed(36)
+
+    class Stop(BaseException):
+        pass
+
+    class Keep:                                   # row by row: a handler lands between rows
+        def __init__(self):
+            self.rows = []
+
+        def write(self, rows):
+            for r in rows:
+                self.rows.append((r.step, r.values.get("x"), r.values.get("a")))
+
+    bad = raised = handled = 0
+    for trial in range(40):
+        a, b = Keep(), Keep()
+        log = syncless.Logger(every=random.choice([1, 2, 3, 5]), windows=2, sinks=[a, b],
+                              delivery=delivery)
+        returned, done = 0, False
+
+        def handler(signum, frame):
+            global raised, handled
+            if done:
+                return
+            handled += 1
+            try:
+                log.flush()
+            except Exception as exc:
+                raised += 1
+                print("raised", repr(exc))
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-5, 5e-4))
+            if random.random() < 0.1:
+                raise Stop()
+
+        signal.signal(signal.SIGALRM, handler)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-5, 5e-4))
+            for i in range(400):
+                log(x=float(i))
+                log.attach("a", lambda i=i: float(-i))
+                returned += 1
+        except Stop:
+            pass
+        for _ in range(30):                       # the handler keeps coming: close() again
+            try:
+                log.close()
+                break
+            except Stop:
+                pass
+        done = True
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for k in (a, b):
+            steps = [r[0] for r in k.rows if r[1] is not None]
+            ok = steps == list(range(len(steps))) and returned <= len(steps) <= returned + 1
+            ok = ok and all(r[1] == float(r[0]) for r in k.rows if r[1] is not None)
+            attached = collections.Counter(r[0] for r in k.rows if r[2] is not None)
+            ok = ok and all(n == 1 for n in attached.values())
+            ok = ok and all(r[2] == -float(r[0]) for r in k.rows if r[2] is not None)
+            if not ok:
+                bad += 1
+                print("bad", trial, returned, len(steps), k.rows[:2], k.rows[-3:], log.stats)
+        if a.rows != b.rows:
+            bad += 1
+            print("sinks differ", trial)
+    print(delivery, "handled", handled, "bad", bad, "raised", raised)
+"""
+
+
+@needs_timers
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_a_handler_flushing_again_and_again_inside_deliveries_keeps_every_sink_exact(delivery):
+    """A SIGALRM handler that calls flush() every few hundred microseconds (re-arming itself, and
+    raising now and then), over 40 loops that log and attach a value at every step, with two
+    sinks that write row by row: both sinks get the same rows, each returned call's once, in
+    order, each attached value once in its step's row. With delivery="caller" the handler's
+    flush() re-enters the delivery it interrupted; this found a pump that read its queue's head
+    after a handler had emptied it (IndexError), and could run an older host-row list again."""
+    r = run_python(FLUSHING_HANDLER.format(delivery=delivery), timeout=120)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "bad 0 raised 0" in r.stdout, r.stdout[-3000:]
+    handled = int(r.stdout.split("handled ")[1].split()[0])
+    assert handled >= 40, r.stdout

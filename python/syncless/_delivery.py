@@ -25,7 +25,7 @@ assignments. So every change of state a delivery makes is computed first and the
 such a run (`_emit`), and a batch remembers how many sinks already have it: on the training
 thread an interrupt anywhere leaves a state the next delivery resumes from, each row going to
 each sink once. A handler may also deliver itself (its flush() or close()) while the delivery
-it interrupted waits below it: each commit counts (`_epoch`), and one planned before another
+it interrupted waits below it: each commit counts (`epoch`), and one planned before another
 committed is dropped, so the interrupted delivery, when it goes on, repeats nothing. The user's
 code (a sink's write(), flush() and close()) runs whole: on the main thread, where handlers run,
 on a helper thread (`_whole`), claimed once and then made, whatever interrupts the wait for it.
@@ -138,7 +138,7 @@ class Delivery:
         self._src: list[Row] | None = None   # the host-row list delivered from last, and how
         self._src_done = 0                   # many of its rows (a repeated hand-over's are not)
         self.ran: Job | None = None          # the last job committed
-        self._epoch = 0                      # commits made (a plan older than the last is dropped)
+        self.epoch = 0                       # commits made (a plan older than the last is dropped)
         self._batch: list[Any] | None = None  # [rows, sinks, how many of them have the rows]
         self.sink_errors = 0
         self._failed: set[int] = set()
@@ -167,16 +167,19 @@ class Delivery:
 
     # ---- one job -----------------------------------------------------------------------------
 
-    def run(self, job: Job, blocking: bool = True) -> None:
+    def run(self, job: Job, blocking: bool = True, epoch: int = -1) -> None:
         """Keep a late value, or deliver host rows or a window's rows (then `ran` is the job:
         its window may be reused). blocking False: late values not known yet hold their rows
         back instead of being waited for. Nothing changes until _emit commits the job, so an
-        interrupt before that leaves it to be run again."""
+        interrupt before that leaves it to be run again. epoch: the commit count the caller saw
+        when it found the job due (default: now); if a commit came since (a signal handler's
+        delivery), the run is dropped."""
         kind = job[0]
         if kind == "late":
             self.late.keep(job[1])
             return
-        epoch = self._epoch                       # before reading anything it plans from
+        if epoch < 0:
+            epoch = self.epoch                   # before reading anything it plans from
         try:
             nonfinite = dict(self.nonfinite)
             if kind == "rows":
@@ -188,7 +191,7 @@ class Delivery:
             else:
                 gen, w, flushed_at = job[1], job[2], job[3]
                 rows, latest_done, counter = self._decode(gen, w, flushed_at, nonfinite, epoch)
-                if self._epoch != epoch:
+                if self.epoch != epoch:
                     return                        # a handler delivered meanwhile: its plan
                 lost = max(gen.next_seq, counter - gen.capacity) - gen.next_seq
                 self._emit(rows, None, latest_done, blocking, job, nonfinite,
@@ -225,7 +228,7 @@ class Delivery:
                 epoch: int = -1) -> tuple[list[Row], bool, int]:
         """The window's rows, whether `latest` already holds their values, and the counter."""
         self.wait_copy(w)
-        if epoch >= 0 and self._epoch != epoch:
+        if epoch >= 0 and self.epoch != epoch:
             return [], False, gen.next_seq       # planned too late (see run): not decoded
         if not self._gpu_time:
             # The rows are made in C, `latest` updated there too (unless rows may be held back
@@ -258,10 +261,10 @@ class Delivery:
         blocking False: late values are not waited for (see LateValues.merge). job, nonfinite
         and done: the job these rows come from, the NaN/Inf counts with them, and where its rows
         end (a generation's counter and rows lost, or a host-row list and how many). epoch:
-        `_epoch` when the plan began (its reads): a commit made since (a signal handler's
+        `epoch` when the plan began (its reads): a commit made since (a signal handler's
         delivery) drops this one."""
         if epoch < 0:
-            epoch = self._epoch
+            epoch = self.epoch
         if nonfinite is None:
             nonfinite = dict(self.nonfinite)
         late = self.late
@@ -276,7 +279,7 @@ class Delivery:
         rows, held_late, keep, missing = late.merge(rows, upto, blocking, nonfinite)
         held = held_late + held
         delivered = sum(1 for row in rows if not row.late) if late.hold else len(rows)
-        if self._epoch != epoch:
+        if self.epoch != epoch:
             return                                 # stale: see the commit
         if rows and not latest_done:
             _C.tally(rows, self.latest, None)      # the same values again if planned again
@@ -285,11 +288,11 @@ class Delivery:
         with self._commit:
             if self._abandoned == threading.get_ident():
                 return                             # take_over() delivers in this one's place
-            if self._epoch != epoch:
+            if self.epoch != epoch:
                 return                             # a signal handler's delivery committed
             # The commit: plain assignments, no call among them, so no signal handler can run
             # between them (see the module's docstring).
-            self._epoch = epoch + 1
+            self.epoch = epoch + 1
             if gen is not None:
                 gen.next_seq = counter
             if src is not None:
@@ -420,8 +423,10 @@ class Delivery:
                 "the logger they belong to")
         main = on_main()
         sinks, done = self.sinks, self._closed_sinks
-        while done[0] < len(sinks):
-            i = done[0]
+        while True:
+            i = done[0]                          # read once: a handler may close sinks too
+            if i >= len(sinks):
+                break
             fn = getattr(sinks[i], "close", None)
             if fn is None:
                 if done[0] == i:

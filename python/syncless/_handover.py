@@ -221,10 +221,11 @@ class Handover:
             self._copying = None
         self._parked = [w for w in self._parked if not w.win.ready()]
 
-    def _run(self, job: Job, blocking: bool = True) -> None:
-        """Run a job on the delivery; once it is committed, its window and ticket come back."""
+    def _run(self, job: Job, blocking: bool = True, epoch: int = -1) -> None:
+        """Run a job on the delivery; once it is committed, its window and ticket come back.
+        epoch: the delivery's commit count when the job was found due (see Delivery.run)."""
         try:
-            self.delivery.run(job, blocking)
+            self.delivery.run(job, blocking, epoch)
         finally:
             if self.delivery.ran is job:
                 if job[0] == "window":
@@ -503,13 +504,20 @@ class CallerHandover(Handover):
         self._pumping = threading.get_ident()
         try:
             self.delivery.write_batch()      # a batch an interrupt cut short goes on first
-            pending = self._pending
-            while pending:
+            pending, d = self._pending, self.delivery
+            while True:
+                # The commit count first, then the head job, with no call between: a handler
+                # that delivers this job after here (inside _landed, say) makes its run a
+                # stale plan, dropped (an older host-row list run again would repeat rows).
+                # `while pending` would test before the loop's jump back, where handlers run.
+                epoch = d.epoch
+                if not pending:
+                    break
                 job = pending[0]
-                if job is self.delivery.ran:
+                if job is d.ran:
                     pending.popleft()
                 elif wait or _landed(job):
-                    self._run(job, blocking=wait)
+                    self._run(job, wait, epoch)
                 else:
                     break
         finally:
