@@ -4,6 +4,7 @@ the ones the delivery thread gives, nothing may wait for the GPU that did not ha
 backpressure, timers, failing sinks and sinks that call back must behave as they do there."""
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -52,10 +53,14 @@ def test_caller_delivery_gives_the_rows_and_counts_of_the_thread(device, every, 
     assert stats_caller.delivered == stats_thread.delivered == 255
     assert stats_caller.nonfinite == stats_thread.nonfinite == {"loss": 1}
     assert stats_caller.lost == 0 and stats_caller.sink_errors == 0
-    assert by_caller.threads == {threading.get_ident()}          # the logging thread, only
+    # On the main thread the sinks run on the logger's helper while the loop waits for them
+    # (so a Ctrl-C never cuts a write() short; see _whole): one thread, never the loop's.
+    assert len(by_caller.threads) == 1 and threading.get_ident() not in by_caller.threads
 
 
-def test_the_logging_thread_delivers_at_its_flushes_and_starts_no_thread(device):
+def test_the_logging_thread_delivers_at_its_flushes_and_starts_only_the_sinks_helper(device):
+    """The rows go out at the loop's own flushes; the only thread started is the helper that
+    runs the sinks' calls while the main thread waits for them, and it ends with close()."""
     before = {t.ident for t in threading.enumerate()}
     sink = Collect()
     log = syncless.Logger(every=10, sinks=[sink], delivery="caller")
@@ -67,8 +72,10 @@ def test_the_logging_thread_delivers_at_its_flushes_and_starts_no_thread(device)
         for i in range(10, 20):
             log(x=value(i, device))    # ...and the next flush delivers it
     assert log.delivered_step == 9 and [s for s, _ in sink.rows] == list(range(10))
-    assert {t.ident for t in threading.enumerate()} == before
+    assert {t.name for t in threading.enumerate() if t.ident not in before} == {"syncless-sinks"}
     log.close()
+    time.sleep(0.1)
+    assert {t.ident for t in threading.enumerate()} == before
     assert [v["x"] for _, v in sink.rows] == [float(i) for i in range(len(sink.rows))]
     assert log.stats.delivered == log.stats.steps
 
@@ -89,13 +96,14 @@ def test_timers_join_their_rows(device):
 def test_a_failing_sink_is_reported_once_and_the_others_get_every_row(device, caplog):
     class Bad:
         def write(self, rows):
-            raise KeyboardInterrupt("from a sink")     # the sink's own: not the user's Ctrl-C
+            raise KeyboardInterrupt("from a sink")     # the sink's own: reported, raised once
 
     got = Collect()
-    with syncless.Logger(every=2, sinks=[Bad(), got], delivery="caller") as log:
-        for i in range(5):
-            log(x=value(i, device))
-    assert [s for s, _ in got.rows] == list(range(5))
+    with pytest.raises(KeyboardInterrupt, match="from a sink"):
+        with syncless.Logger(every=2, sinks=[Bad(), got], delivery="caller") as log:
+            for i in range(5):
+                log(x=value(i, device))
+    assert log.closed and [s for s, _ in got.rows] == list(range(5))
     assert log.stats.sink_errors == 3
     assert sum("KeyboardInterrupt" in r.getMessage() for r in caplog.records) == 1
 
@@ -118,7 +126,8 @@ def test_a_sink_calling_its_logger_is_refused_and_loses_nothing(device, call, ca
         log(x=value(i, device))
     log.close()
     assert got == list(range(6)) and log.stats.delivered == 6 and log.stats.steps == 6
-    assert seen and all("from a sink's write(), while the logger delivered" in m for m in seen)
+    assert seen and all("from a sink's write()" in m and "must not call the logger" in m
+                        for m in seen)
 
 
 def test_a_bad_delivery_is_refused():

@@ -275,17 +275,24 @@ def test_a_logger_dropped_without_close_still_delivers(device, tmp_path, deliver
 
 # ---- sinks that raise anything, or change what they get -------------------------------------
 
-def test_a_sink_raising_keyboardinterrupt_does_not_stop_the_others(device, caplog):
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+def test_a_sink_raising_keyboardinterrupt_does_not_stop_the_others(device, caplog, delivery):
+    """It is reported when it comes, the other sinks get every row, and close() raises it
+    again once its work is done (the user's own Ctrl-C-like exception, where they can act on
+    it); the logger is closed and a second close() is quiet."""
     class Bad:
         def write(self, rows):
             raise KeyboardInterrupt("from a sink")
 
     got = Collect()
-    with syncless.Logger(every=2, sinks=[Bad(), got]) as log:
-        for i in range(5):
-            log(x=value(i, device))
+    log = syncless.Logger(every=2, sinks=[Bad(), got], delivery=delivery)
+    for i in range(5):
+        log(x=value(i, device))
+    with pytest.raises(KeyboardInterrupt, match="from a sink"):
+        log.close()
+    log.close()
     assert [s for s, _ in got.rows] == list(range(5))
-    assert log.stats.sink_errors == 3
+    assert log.stats.sink_errors == 3 and log.stats.delivered == 5
     assert any("KeyboardInterrupt" in r.getMessage() for r in caplog.records)
 
 
@@ -468,7 +475,8 @@ def test_a_sinks_child_ends_on_sigterm_and_no_thread_has_a_signal_blocked(device
         assert f"{delivery} codes [-15, -15, -15]" in r.stdout, r.stdout
         assert f"{delivery} same masks True True same handlers True" in r.stdout, r.stdout
     assert "thread codes [-15, -15, -15] new threads 1" in r.stdout     # the delivery thread
-    assert "caller codes [-15, -15, -15] new threads 0" in r.stdout
+    # the helper that runs the sinks' calls whole while the main thread waits (see _whole)
+    assert "caller codes [-15, -15, -15] new threads 1" in r.stdout
 
 
 def test_a_handler_that_flushes_while_log_waits_for_a_window_lets_both_go_on(device):
@@ -521,28 +529,17 @@ HANDLER_TRIALS = """
     class Stop(BaseException):                    # the handler's "exit now"
         pass
 
-    class Lines:                                  # a sink that writes in one call (see below)
-        def __init__(self):
-            self.rows = []
-
-        def write(self, rows):
-            self.rows.extend(rows)
-
     for trial in range(2 * trials):
         action = ("flush", "close")[trial % 2]
         path = os.path.join(tmp, f"{{trial}}.jsonl")
-        lines = Lines()
-        # JSONL with the thread; with delivery="caller" the sinks run in the loop, where a
-        # handler that raises can cut a sink's write() short (documented): the sink here
-        # writes in one call, so it is either not begun (and gets the rows again) or done.
-        sink = syncless.sinks.JSONL(path) if delivery == "thread" else lines
+        # A JSONL file in both modes: with delivery="caller" its write() runs whole while the
+        # loop waits for it, so a handler that raises (or returns) never cuts it short.
+        sink = syncless.sinks.JSONL(path)
         log = syncless.Logger(every=random.choice([1, 3, 7]), windows=2, sinks=[sink],
                               delivery=delivery)
         returned, seen = 0, []
 
         def on_disk():
-            if delivery == "caller":
-                return len(lines.rows)
             if not os.path.exists(path):     # JSONL opens its file at the first write
                 return 0
             with open(path) as f:
@@ -554,8 +551,8 @@ HANDLER_TRIALS = """
             at = returned
             try:
                 getattr(log, action)()
-            except RuntimeError as exc:           # it interrupted the delivery itself (caller)
-                assert "signal handler that interrupted" in str(exc), exc    # or a sink's close
+            except RuntimeError as exc:           # a refusal: counted, and the test fails
+                print("refused:", exc)
                 refused += 1
             else:
                 seen.append((at, on_disk()))      # what was accepted is out when it returns
@@ -575,11 +572,8 @@ HANDLER_TRIALS = """
             pass
         signal.setitimer(signal.ITIMER_REAL, 0)
         log.close()                               # finishes a close() the handler's raise cut
-        if delivery == "thread":
-            with open(path) as f:
-                got = [(d["step"], d["x"]) for d in map(json.loads, f)]
-        else:
-            got = [(r.step, r.values["x"]) for r in lines.rows]
+        with open(path) as f:
+            got = [(d["step"], d["x"]) for d in map(json.loads, f)]
         n = len(got)
         ok = got == [(s, float(s)) for s in range(n)]             # once each, in order
         ok = ok and returned <= n <= returned + 1                 # + the call it interrupted
@@ -597,6 +591,7 @@ def _handler_trials(device, delivery, trials, timeout):
                                          timeout=timeout), timeout=timeout)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert "bad [] 0" in r.stdout, r.stdout[-3000:]
+    assert "refused 0 " in r.stdout, r.stdout[-3000:]     # no flush() or close() raised
     handled = int(r.stdout.split("handled ")[1].split()[0])
     assert handled == 2 * trials, r.stdout             # every trial's handler ran, once
     return r.stdout
@@ -608,12 +603,13 @@ def test_a_signal_handler_that_flushes_or_closes_loses_and_repeats_nothing(devic
     """A preemption handler (SIGTERM/SIGUSR1: flush, save, exit) calling flush() or close() at
     a random moment of a logging loop, inside log(), flush() or close(): every row accepted is
     delivered once, in order, and is on disk when the handler's flush()/close() returns; none
-    hangs (a hang fails the subprocess's timeout with every thread's stack). With
-    delivery="caller", a handler that interrupted the delivery itself gets a clear error instead
-    (its rows go out when that delivery goes on, or at the close() after). Before, thread
-    delivery duplicated rows in 5-14 of 20 trials, caller delivery hung on its own lock, and a
-    handler's close() lost the last accepted row."""
-    _handler_trials(device, delivery, trials=15, timeout=120)     # 15 of each action
+    hangs (a hang fails the subprocess's timeout with every thread's stack), none raises. With
+    delivery="caller" a handler that interrupted the delivery itself delivers too (issue 36:
+    its flush() and close() raised RuntimeError there, in 1 of 20 trials, and 2 of 20 lost the
+    rows of calls that had returned). Before, thread delivery duplicated rows in 5-14 of 20
+    trials, caller delivery hung on its own lock, and a handler's close() lost the last
+    accepted row."""
+    _handler_trials(device, delivery, trials=20, timeout=120)     # 20 of each action
 
 
 @pytest.mark.slow

@@ -204,8 +204,13 @@ class Handover:
 
     def start_closing(self, timeout: float | None) -> None:
         """close() begins: from here on late values and copies are waited for `timeout`
-        seconds at most (None: no bound)."""
-        self.delivery.late.deadline = None if timeout is None else time.monotonic() + timeout
+        seconds at most (None: no bound). A close() an interrupt cut short and called again
+        keeps the first deadline, so interpreter exit is bounded by it too."""
+        late = self.delivery.late
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            if late.deadline is None or deadline < late.deadline:
+                late.deadline = deadline
 
     def close(self, timeout: float | None) -> None:
         """After the last hand-over: deliver everything, stop the driver, close the sinks.
@@ -216,6 +221,7 @@ class Handover:
             _log.error("syncless: close() gave up after %s s: a sink's write() did not return; "
                        "rows still queued were not delivered", timeout)
         self.delivery.close_sinks()
+        self.delivery.whole.stop()
 
     def forget(self, lock: threading.RLock) -> None:
         """In a forked child: drop the parent's windows, jobs and thread without touching them."""
@@ -236,10 +242,11 @@ class Handover:
             self._copying = None
         self._parked = [w for w in self._parked if not w.win.ready()]
 
-    def _run(self, job: Job, blocking: bool = True) -> None:
-        """Run a job on the delivery; once it is committed, its window and ticket come back."""
+    def _run(self, job: Job, blocking: bool = True, epoch: int = -1) -> None:
+        """Run a job on the delivery; once it is committed, its window and ticket come back.
+        epoch: the delivery's commit count when the job was found due (see Delivery.run)."""
         try:
-            self.delivery.run(job, blocking)
+            self.delivery.run(job, blocking, epoch)
         finally:
             if self.delivery.ran is job:
                 if job[0] == "window":
@@ -276,9 +283,19 @@ class Handover:
         raise NotImplementedError
 
     def refuse_on_thread(self, what: str) -> None:
-        """Refuse a public call from inside the delivery (a sink's write(), or a signal handler
-        that interrupted it on the training thread): it would deliver inside itself."""
+        """Refuse a public call from inside the delivery (a sink's write()): it would deliver
+        inside itself. A signal handler's call on the training thread is no such call."""
         raise NotImplementedError
+
+    def _refuse_helper(self, what: str) -> None:
+        """A sink's call on the helper that runs the sinks' calls made on the main thread
+        (_whole): the main thread waits for that sink."""
+        if threading.get_ident() == self.delivery.whole.ident:
+            raise RuntimeError(
+                f"syncless.Logger: {what} was called from a sink's write(), flush() or close() "
+                "(or an attach() fn), which the logger runs while it waits for it; it would wait "
+                "for itself forever. Sinks must not call the logger they belong to (log to "
+                "another Logger, or keep the values and log them from the training loop).")
 
 
 class ThreadHandover(Handover):
@@ -366,6 +383,7 @@ class ThreadHandover(Handover):
         return True
 
     def refuse_on_thread(self, what: str) -> None:
+        self._refuse_helper(what)
         if threading.get_ident() == self._ident:
             raise RuntimeError(
                 f"syncless.Logger: {what} was called from a sink's write(), on the logger's own "
@@ -418,8 +436,12 @@ class ThreadHandover(Handover):
 class CallerHandover(Handover):
     """delivery="caller": the training thread runs the jobs itself, at each hand-over those
     whose copies landed, at a drain all of them. An interrupt anywhere in a delivery leaves
-    what the next one resumes. `unowned(fn)` (the Logger's) runs fn with the logger owned by no
-    thread, so a sink's log() is refused as a call from elsewhere and never recurses."""
+    what the next one resumes. A signal handler's flush() or close() on the main thread, inside
+    a delivery it interrupted, delivers itself (re-entrant: the interrupted delivery's plan is
+    then dropped, see Delivery._emit, and the sink's call it waited for goes on, see _whole),
+    and returns with its rows delivered. `unowned(fn)` (the Logger's) runs fn with the logger
+    owned by no thread, so a sink's log() is refused as a call from elsewhere and never
+    recurses."""
 
     def __init__(self, delivery: Delivery, windows: int, lock: threading.RLock,
                  unowned: Callable[[Callable[[], None]], None]):
@@ -456,14 +478,16 @@ class CallerHandover(Handover):
         return True
 
     def refuse_on_thread(self, what: str) -> None:
-        if self._pumping and self._pumping == threading.get_ident():
+        self._refuse_helper(what)
+        # On the main thread the sinks run on the helper: a call here inside a delivery is a
+        # signal handler's, and is served. Elsewhere (no handler runs there) it is a sink's.
+        if self._pumping and self._pumping == threading.get_ident() and \
+                threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
                 f"syncless.Logger: {what} was called from a sink's write(), while the logger "
-                "delivered its rows on this thread (delivery='caller'), or from a signal handler "
-                "that interrupted that delivery; it would deliver inside its own delivery. Sinks "
-                "must not call the logger they belong to (log to another Logger, or keep the "
-                "values and log them from the training loop); a handler's rows are delivered when "
-                "the delivery it interrupted goes on, or by close() or at exit.")
+                "delivered its rows on this thread (delivery='caller'); it would deliver inside "
+                "its own delivery. Sinks must not call the logger they belong to (log to another "
+                "Logger, or keep the values and log them from the training loop).")
 
     def forget(self, lock: threading.RLock) -> None:
         super().forget(lock)
@@ -492,28 +516,39 @@ class CallerHandover(Handover):
 
     def _pump(self, wait: bool = False) -> None:
         """Run the pending jobs, oldest first: those whose copies have landed, or (wait) all of
-        them. Inside a sink's call to its logger it does nothing: the next pump runs them."""
-        if self._pumping:
+        them. Re-entrant on the main thread (a signal handler's flush() inside the pump it
+        interrupted; the pump below then finds the jobs done). Elsewhere, inside a sink's call to
+        its logger, it does nothing: the next pump runs them."""
+        before = self._pumping
+        if before and threading.current_thread() is not threading.main_thread():
             return
         self._pumping = threading.get_ident()
         try:
             self.delivery.write_batch()      # a batch an interrupt cut short goes on first
-            pending = self._pending
-            while pending:
+            pending, d = self._pending, self.delivery
+            while True:
+                # The commit count first, then the head job, with no call between: a handler
+                # that delivers this job after here (inside _landed, say) makes its run a
+                # stale plan, dropped (an older host-row list run again would repeat rows).
+                # `while pending` would test before the loop's jump back, where handlers run.
+                epoch = d.epoch
+                if not pending:
+                    break
                 job = pending[0]
-                if job is self.delivery.ran:
+                if job is d.ran:
                     pending.popleft()
                 elif wait or _landed(job):
-                    self._run(job, blocking=wait)
+                    self._run(job, wait, epoch)
                 else:
                     break
         finally:
-            self._pumping = 0
+            self._pumping = before
 
     def _finish(self, upto: float, flush_sinks: bool = True) -> None:
         """After _pump(wait=True): deliver held rows and late values of steps up to `upto`,
-        then (flush_sinks) flush the sinks: a drain's end."""
-        if self._pumping:
+        then (flush_sinks) flush the sinks: a drain's end. Re-entrant as _pump is."""
+        before = self._pumping
+        if before and threading.current_thread() is not threading.main_thread():
             return
         self._pumping = threading.get_ident()
         try:
@@ -523,7 +558,7 @@ class CallerHandover(Handover):
             if flush_sinks:
                 d.call_sinks("flush")
         finally:
-            self._pumping = 0
+            self._pumping = before
 
 
 def _landed(job: Job) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ._signals import by_signal, start
 from ._torch import _C
+from ._whole import Whole, on_main
 from .rows import Row
 
 __all__ = ["Late", "LateValues"]
@@ -47,6 +48,16 @@ class Late:
         return True
 
 
+class Raised(Exception):
+    """An attach() fn raised a BaseException that is no Exception (KeyboardInterrupt,
+    SystemExit), on another thread: reported like any failure, then raised again by the training
+    thread's next flush() or close() (see LateValues.raised)."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.exc = exc
+
+
 def _late_value(name: str, v: Any) -> float:
     """An attached fn's result, under log()'s rules (a real number or a one-element tensor;
     the same errors, naming the metric). A CUDA tensor is read here, where resolve() may wait."""
@@ -60,7 +71,9 @@ class LateValues:
     """The late values not delivered yet (`values`, replaced only by Delivery's commit), and
     the failures among them (`errors`, each name reported once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: Whole | None = None) -> None:
+        self.whole = whole                   # runs an fn called on the main thread (_whole)
+        self.raised: BaseException | None = None    # see Raised
         self.values: list[Late] = []
         self.hold = False                    # once late values are in use (see _delivery)
         self.errors = 0
@@ -85,6 +98,9 @@ class LateValues:
         if late.value is not None:
             return late.value
         deadline = self.deadline
+        if deadline is None and self.whole is not None and on_main():
+            self._resolve_whole(late, self.whole)
+            return late.value                    # type: ignore[return-value]
         if deadline is None:
             self.resolving = late
             try:
@@ -110,14 +126,45 @@ class LateValues:
                     late.runner = t, box
             t, box = late.runner
             t.join(max(deadline - time.monotonic(), 0.05))
-            if box and isinstance(box[0], BaseException):
+            if box and isinstance(box[0], Exception):
                 raise box[0]
+            if box and isinstance(box[0], BaseException):
+                raise Raised(box[0])             # the fn's own, on its thread: not a signal's
             if box:
                 late.value = box[0]
         if late.value is None:
             late.missing = True
             raise TimeoutError("close() stopped waiting for it")
         return late.value
+
+    def _resolve_whole(self, late: Late, whole: Whole) -> None:
+        """resolve() on the main thread: the fn runs whole on the helper (see _whole), so a
+        signal handler's exception never cuts it short, and one it raises is never taken for a
+        handler's. A handler's delivery that resolves the same value meanwhile waits for the
+        call in flight and finds the value."""
+        box: list[Any] = []
+
+        def call() -> None:
+            try:
+                late.value = _late_value(late.name, late.resolve())
+            except BaseException as exc:
+                box.append(exc)
+            done[0] = 1
+
+        done = [0]
+        whole.ready()
+        while late.value is None and not done[0]:
+            stuck = whole.idle()
+            if stuck is not None:                # (no deadline: it does not happen)
+                continue
+            job = whole.job(call, done, 0, 0, f"attach({late.name!r}) fn")
+            if late.value is None and whole.busy is None:     # the claim: no call since
+                whole.busy = job
+                whole.gate.release()
+            whole.wait(job)
+        if late.value is None:
+            exc = box[0] if box else RuntimeError("the fn did not run")
+            raise exc if isinstance(exc, Exception) else Raised(exc)
 
     def merge(self, rows: list[Row], upto: float | None, blocking: bool,
               nonfinite: dict[str, int]) -> tuple[list[Row], list[Row], list[Late], list[str]]:
@@ -167,9 +214,18 @@ class LateValues:
             except TimeoutError:
                 missing.append(f"{late.name!r} at step {late.step}")
                 continue
+            except Raised as exc:                 # the fn's KeyboardInterrupt, SystemExit...
+                if self.raised is None:
+                    self.raised = exc.exc
+                self._failed_once(late, f"failed: {exc} (the next flush() or close() raises "
+                                  "it again)")
+                continue
             except BaseException as exc:
                 if by_signal(exc):
                     raise                         # the training thread's own interrupt
+                if not isinstance(exc, Exception):   # raised on the delivery thread
+                    if self.raised is None:
+                        self.raised = exc
                 self._failed_once(late, f"failed: {type(exc).__name__}: {exc}")
                 continue
             target = first.get(late.step)

@@ -312,9 +312,9 @@ class Logger(_Readings):
     have landed by then (an event query; it waits only when every window is undelivered), so
     rows reach the sinks one flush later and no second thread competes for the GIL: the choice
     for a host-bound loop (a small compiled or graphed step) with quick sinks. The sinks' time
-    is then the loop's, and so are its interrupts: a Ctrl-C that lands inside a sink's write()
-    stops that sink there (the next flush goes on from the next sink, or from that one if it had
-    not begun), so a sink that must not be cut short belongs to the default delivery.
+    is then the loop's. On the main thread each sink call runs on a helper thread of the
+    logger's while the loop waits for it: a Ctrl-C stops the wait, never the sink's write(), and
+    the rows of every call that returned reach every sink once.
 
     `close_timeout` (seconds, default 30; None: no bound): how long close() and interpreter
     exit wait for late values and device copies (see close()), and, reducing, for the other
@@ -330,8 +330,11 @@ class Logger(_Readings):
 
     Signals: the Logger never blocks a signal or changes a handler, so processes a sink starts
     take SIGTERM and Ctrl-C as usual. A signal handler may call flush() or close() while the
-    loop it interrupted is inside log(), flush() or close(): every row accepted is delivered
-    once, and close() interrupted (a second Ctrl-C) is finished by the next close() or at exit.
+    loop it interrupted is inside log(), flush() or close(), or a delivery (either mode): every
+    row accepted is delivered once and is out when the handler's call returns, and close()
+    interrupted (a second Ctrl-C) is finished by the next close() or at exit. A KeyboardInterrupt
+    raised by a sink or an attach() fn is reported, and raised again by the next flush() or
+    close() after its work.
     """
 
     def __init__(self, every: int = LOGGER_EVERY, sinks: Iterable[Any] | Any = (), *,
@@ -513,7 +516,7 @@ class Logger(_Readings):
         """Add a value that becomes known later to the row of `step` (default: the last logged
         step). `resolve()` runs on the delivery thread when that row is delivered, may wait
         there (never in the training loop) and returns a float. With delivery="caller" it runs
-        in the loop, at a flush: one with a `poll()` method (None until the value is known, as
+        for the loop, at a flush, which waits for it: one with a `poll()` method (None until the value is known, as
         a timer's reader has) holds the row back to a later flush instead of being waited for.
         Values attached under one name for one step add up. If the step's row already went to
         the sinks, the value comes as a row of its own at that step (`row.late` is True).
@@ -690,6 +693,15 @@ class Logger(_Readings):
             upto = self._last_step
         if wait:
             self._handover.drain(upto)
+        self._raise_users()
+
+    def _raise_users(self) -> None:
+        """Raise the KeyboardInterrupt (or other BaseException that is no Exception) that a
+        sink or an attach() fn raised, here on the training thread where the user can act on it:
+        it was reported when it came, the rows went on, and this call did its work first."""
+        exc = self._delivery.pop_raised()
+        if exc is not None:
+            raise exc
 
     def close(self, timeout: Any = _NO_TIMEOUT) -> None:
         """Deliver everything, close the sinks and stop the delivery thread. Idempotent, and
@@ -698,7 +710,15 @@ class Logger(_Readings):
         waited for `timeout` seconds at most (default: the Logger's close_timeout, 30 s; None:
         no bound): an attach() fn, a timer on a stream that never completes, a copy that never
         lands. Those that did not come by then are left out of the rows, counted in
-        stats.missing and named in one warning, and close() returns."""
+        stats.missing and named in one warning, and close() returns; a sink's call that did not
+        return within a second more is left running and reported. A KeyboardInterrupt (or other
+        BaseException) that a sink or an attach() fn raised is reported when it comes and raised
+        again here (or by flush()), after the work is done."""
+        self._close(timeout)
+        self._raise_users()
+
+    def _close(self, timeout: Any = _NO_TIMEOUT) -> None:
+        """close() without raising what the user's code raised (the exit hook, a finalizer)."""
         self._handover.refuse_on_thread("close()")
         if self._finished:
             return
@@ -820,7 +840,7 @@ def _finalize(log: Logger) -> None:
     interrupted = False
     for _ in range(3):
         try:
-            log.close()
+            log._close()
             break
         except KeyboardInterrupt:
             interrupted = True
@@ -875,15 +895,15 @@ def _close_all() -> None:
     for log in list(_live):
         for attempt in range(1, 5):
             try:
-                log.close()
+                log._close()
                 break
-            except KeyboardInterrupt:
+            except Exception as exc:
+                _log.error("syncless: closing %r at exit failed: %s", log, exc)
+                break
+            except BaseException:                # Ctrl-C, or a handler's exit, at exit
                 if attempt == 4:
                     _log.error("syncless: closing %r at exit interrupted %d times: rows not "
                                "delivered yet are lost", log, attempt)
                 else:
                     _log.warning("syncless: closing %r at exit was interrupted; finishing it "
                                  "(interrupt %d more times to give up)", log, 4 - attempt)
-            except Exception as exc:
-                _log.error("syncless: closing %r at exit failed: %s", log, exc)
-                break
