@@ -35,6 +35,7 @@ from typing import Callable
 
 from . import _verify
 from ._boundary import parse_step_at
+from ._isolate import Scratch, Watch
 from ._loader import cpu_count
 from ._session import ScriptSession
 from ._session_report import diagnosis
@@ -148,8 +149,9 @@ def _measure(ns: argparse.Namespace) -> int:
 
 
 def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis,
-                  cwd: str, elapsed_s: float) -> None:
-    """--verify (or its default): the setting fixes measured in fresh paired runs."""
+                  cwd: str, elapsed_s: float, watch: Watch | None) -> None:
+    """--verify (or its default): the setting fixes measured in fresh paired runs, each in a
+    scratch copy of the working directory with the trackers off (see _isolate)."""
     fixes = _verify.setting_fixes(d)
     if not fixes or ns.verify is False:
         return
@@ -161,16 +163,30 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
+    why = watch.why_not() if watch is not None else None
+    if ns.verify is None and why is not None:
+        d.verify_lines = [f"off: {why}; pass --verify to run them anyway"]
+        return
     if ns.verify is None and estimate > VERIFY_BUDGET_S:
         d.verify_lines = [f"off: its {runs} runs would take about {estimate:.0f} s (on by "
                           f"default under {VERIFY_BUDGET_S:.0f} s); pass --verify to check "
                           "the fixes"]
         return
+    if why is not None:
+        print(f"\nsyncless doctor: --verify runs the script again although {why}",
+              file=sys.stderr, flush=True)
+    scratch = Scratch(cwd, watch)
     v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
                          max(session.plan["plain"], 5), ns.verify_pairs,
-                         timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd)
-    d.verify_lines = _verify.verify(d, v, loader, cpus)
-    d.verify_runs = (v.runs, v.seconds)
+                         timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd, scratch=scratch)
+    try:
+        d.verify_lines = _verify.verify(d, v, loader, cpus)
+        d.verify_runs = (v.runs, v.seconds)
+        d.verify_where = (f"each in a fresh copy of the working directory under {scratch.root} "
+                          "(removed), trackers off" + (f"; not isolated: {why}" if why else ""))
+    finally:
+        v.close()
+        scratch.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,8 +202,14 @@ def run(ns: argparse.Namespace) -> int:
                             ns.trace_steps, ns.step_at, ns.plain_steps)
     exit_, error = None, None
     script = os.path.abspath(ns.script)          # now: the script may chdir
+    # What the script writes and where it connects, for --verify's runs of it.
+    watch = Watch(cwd, script) if ns.verify is not False else None
     try:
-        session.run(ns.script, ns.args)
+        if watch is not None:
+            with watch:
+                session.run(ns.script, ns.args)
+        else:
+            session.run(ns.script, ns.args)
     except SystemExit as e:                      # sys.exit(), exit(), argparse's errors
         exit_ = e
         code = e.code if e.code is not None else 0
@@ -207,7 +229,8 @@ def run(ns: argparse.Namespace) -> int:
     else:
         if error is None and session.plain.done_s is not None:
             try:
-                _verify_fixes(ns, session, d, cwd, session.plain.done_s - started + 2.0)
+                _verify_fixes(ns, session, d, cwd, session.plain.done_s - started + 2.0,
+                              watch)
                 text = d.report()
             except Exception:
                 print("\nsyncless doctor: --verify failed (a bug in syncless: please report it):",
