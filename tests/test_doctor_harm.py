@@ -158,6 +158,7 @@ def test_a_script_that_saves_its_whole_model_each_epoch_gets_a_normal_report(tmp
     assert r.stdout.split() == ["Net", "0"]
 
 
+@pytest.mark.slow
 def test_a_saved_model_loads_without_syncless(tmp_path, monkeypatch):
     """The module saved under the doctor names torch's classes only: a model of torch's own
     layers saved whole loads in a process where syncless cannot be imported."""
@@ -191,6 +192,7 @@ def doctor_run(tmp_path, *options):
     return r
 
 
+@pytest.mark.slow
 def test_objects_pickle_copy_and_hook_as_without_the_doctor(tmp_path):
     script = write(tmp_path, USES_ITS_OBJECTS)
     plain_out, plain_seen = plain_run(tmp_path, script)
@@ -419,3 +421,12 @@ def test_measured_runs_have_the_trackers_off_and_share_the_compile_cache():
     assert env["HF_HUB_OFFLINE"] == "1"
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+
+
+def test_quick_says_what_it_left_out():
+    ns = cli.parse_args(["--quick", __file__])
+    assert cli.quick_skipped(ns) == (
+        "--quick: at least 2 warm-up steps (default 3), 15 monitored steps (default 30), "
+        "5 audited steps (default 10), 15 steps timed unobserved (default 30): a stall that "
+        "comes less often than that is seen as a one-off; the window still starts past the "
+        "loader's prefetch and the warm-up")

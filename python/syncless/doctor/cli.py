@@ -131,6 +131,18 @@ def checked(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Name
     return ns
 
 
+def quick_skipped(ns: argparse.Namespace) -> str:
+    """What --quick left out, against the default run: the report's note."""
+    names = {"warmup": "at least {} warm-up steps", "steps": "{} monitored steps",
+             "audit_steps": "{} audited steps"}
+    fewer = [what.format(getattr(ns, k)) + f" (default {DEFAULT[k]})"
+             for k, what in names.items() if getattr(ns, k) < DEFAULT[k]]
+    plain = ns.plain_steps if ns.plain_steps is not None else ns.steps
+    return ("--quick: " + ", ".join(fewer) + f", {plain} steps timed unobserved (default "
+            f"{DEFAULT['steps']}): a stall that comes less often than that is seen as a one-off; "
+            "the window still starts past the loader's prefetch and the warm-up")
+
+
 def _measure(ns: argparse.Namespace) -> int:
     """--measure PATH: time the script's steps unobserved (after an honest warm-up), with the
     --apply settings applied from outside the code; write {"plain_step_ms": ...} to PATH."""
@@ -221,6 +233,8 @@ def run(ns: argparse.Namespace) -> int:
     # its exit code. A failure of the report itself must not hide either.
     try:
         d = diagnosis(session)
+        if ns.quick:
+            d.notes.append(quick_skipped(ns))
         text = d.report()
     except Exception:
         print("\nsyncless doctor: the report failed (a bug in syncless: please report it):",
