@@ -119,10 +119,13 @@ class Runner:
         if self._proc is not None or self._tried:
             return self._proc
         self._tried = True
+        # NVML's device count, not CUDA's, should an import ask whether CUDA is there: CUDA's
+        # initialises the driver, which a forked process then cannot use.
         proc = subprocess.Popen([sys.executable, "-c",
                                  "from syncless.doctor._forkserver import serve; serve()"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=self.env, bufsize=0)
+                                stderr=subprocess.DEVNULL, bufsize=0,
+                                env=dict(self.env, PYTORCH_NVML_BASED_CUDA_CHECK="1"))
         assert proc.stdout is not None
         if not _reply(proc.stdout, 300.0).get("ready"):
             proc.kill()
@@ -130,6 +133,16 @@ class Runner:
             return None
         self._proc = proc
         return proc
+
+    @property
+    def forks(self) -> bool:
+        """Whether runs are forks of the server (so far)."""
+        return self._proc is not None
+
+    def fresh(self) -> None:
+        """From now on, each run a fresh interpreter."""
+        self.close()
+        self._tried = True
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
