@@ -115,6 +115,10 @@ class Runner:
         _reply(proc.stdout, 30.0)
         return None
 
+    def start(self) -> None:
+        """Start the server now (else at the first run)."""
+        self._server()
+
     def _server(self) -> subprocess.Popen[bytes] | None:
         if self._proc is not None or self._tried:
             return self._proc

@@ -275,7 +275,8 @@ class Verifier:
         self.scratch = scratch
         self.runner = Runner(run_env())
         self.runs = 0
-        self.seconds = 0.0
+        self.seconds = 0.0          # all of it: the runs and the server's start
+        self.last_s = 0.0           # the last run's
 
     def close(self) -> None:
         self.runner.close()
@@ -306,11 +307,14 @@ class Verifier:
             argv = ["--measure", out, "--apply", json.dumps(settings), "--warmup",
                     str(self.warmup), "--plain-steps", str(self.steps), script, *self.args]
             t = perf_counter()
+            self.runner.start()
+            started = perf_counter()
             try:
                 if self.runner.run(argv, here, self.timeout_s) is None:
                     return None, False          # timed out
             finally:
                 self.runs += 1
+                self.last_s = perf_counter() - started
                 self.seconds += perf_counter() - t
                 if self.scratch is not None:
                     self.scratch.drop(here)
