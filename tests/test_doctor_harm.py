@@ -187,7 +187,7 @@ def doctor_run(tmp_path, *options):
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python")] +
                                         [p for p in [env.get("PYTHONPATH")] if p])
     r = subprocess.run([sys.executable, "-m", "syncless", "doctor", *options], text=True,
-                       capture_output=True, timeout=300, cwd=tmp_path, env=env)
+                       capture_output=True, timeout=900, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     return r
 
