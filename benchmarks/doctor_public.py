@@ -522,6 +522,8 @@ def main(argv: list | None = None) -> int:
     pr.add_argument("--budget-s", type=float, default=1e9,
                     help="start no new script after this many seconds")
     pr.add_argument("--out", default=None)
+    pr.add_argument("--append", action="store_true",
+                    help="keep the cases already in --out (runs split over several commands)")
     ns = p.parse_args(argv)
     if ns.cmd == "prepare":
         prepare(ns.mirror, data_only=ns.data_only, no_data=ns.no_data)
@@ -532,6 +534,11 @@ def main(argv: list | None = None) -> int:
     import torch
     results = {"command": " ".join(sys.argv), "device": ns.device, "torch": torch.__version__,
                "cases": {}}
+    if ns.append and os.path.exists(out):
+        with open(out) as f:
+            kept = json.load(f)
+        results["command"] = kept.get("command", "") + "; " + results["command"]
+        results["cases"] = kept.get("cases", {})
     for name in names:
         if time.perf_counter() - started > ns.budget_s:
             results["cases"][name] = {"skipped": "budget"}

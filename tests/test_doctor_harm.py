@@ -124,7 +124,7 @@ def ran_every_phase(d):
     """The report of a script that ran through every phase (--quick: 15 monitored steps), not
     one cut short by an error. (A one-off stall on a loaded host may still make it
     PROVISIONAL: that is the window's honesty, not harm.)"""
-    assert d["steps"] == 15, d
+    assert d["steps"] >= 15, d                  # more while periodic work is seen
     why = d["provisional_why"] or ""
     assert "stopped with" not in why and "did not run" not in why, why
 
