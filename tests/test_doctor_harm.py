@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from syncless.doctor import _isolate, _verify, cli
+from syncless.doctor import _isolate, _scratch, _verify, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -385,7 +385,7 @@ def test_the_watch_tells_writes_inside_from_outside_and_sees_connections(tmp_pat
                           "change something there"
     # A scratch copy: what the doctor's run created is not there, what it changed is a copy,
     # the rest links to the user's files.
-    scratch = _isolate.Scratch(str(tmp_path), w_inside := _watch_of(tmp_path))
+    scratch = _scratch.Scratch(str(tmp_path), w_inside := _watch_of(tmp_path))
     try:
         here = scratch.make()
         assert sorted(os.listdir(here)) == ["changed.txt", "data", "kept.txt", "out"], \

@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ._frameworks import DROPINS, applied_label
 from ._forkserver import Runner
-from ._isolate import TRACKERS_OFF, Scratch
+from ._isolate import TRACKERS_OFF
+from ._scratch import Scratch
 
 if TYPE_CHECKING:
     from .diagnose import Diagnosis

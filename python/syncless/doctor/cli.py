@@ -35,7 +35,8 @@ from typing import Callable
 
 from . import _verify
 from ._boundary import parse_step_at
-from ._isolate import Scratch, Watch
+from ._isolate import Watch
+from ._scratch import Scratch
 from ._loader import cpu_count
 from ._session import ScriptSession
 from ._session_report import diagnosis
