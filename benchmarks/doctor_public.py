@@ -2,6 +2,7 @@
 
     python benchmarks/doctor_public.py prepare [--mirror DIR]      # sources + synthetic data
     python benchmarks/doctor_public.py run [--device cpu|cuda] [--only a,b] [--budget-s S]
+                                       [--verify | --no-verify] [--no-quick] [--pairs N]
                                        [--out benchmarks/results/doctor_public_<device>.json]
 
 `prepare` copies the scripts from git mirrors of github:karpathy/nanoGPT and
@@ -30,7 +31,9 @@ download, and Yelp-review-shaped rows: 512 tokens, 5 labels, instead of the data
 max_epochs=1), then max_epochs raised to 5 so that the doctor's phases fit; MNIST's synthetic
 files as above, or, where torchvision is not installed, a TensorDataset of MNIST's shape).
 
-`run` measures, per script: the doctor's verdict in its default and --quick runs, its steady step
+`run` measures, per script: the doctor's verdict in its default and --quick runs (`summary`: the
+verdict, each checked finding's predicted and verified gain, the doctor's wall time and the runs it
+made, its own and --verify's; whether the script was harmed), its steady step
 timed unobserved against the observed one, and the gain of its top fix applied by hand (the
 script's own option where it has one, else the setting applied from outside the code, as
 --verify does) timed in paired plain runs (two timestamps a step, `doctor --measure`), against
@@ -90,6 +93,11 @@ CASES = {
                                                          "dataloader_persistent_workers": True}}},
                          "launch-bound": {"apply": {"hf": {
                              "torch_compile": True, "torch_compile_mode": "reduce-overhead"}}}}),
+    "save_whole_model": ("save_whole_model", "train.py", ["--samples", "1280"],
+                         ["--samples", "1280"],
+                         {"starvation": {"apply": {"loader": {"num_workers": 4,
+                                                              "persistent_workers": True}}},
+                          "launch-bound": {"apply": {"compile": "reduce-overhead"}}}),
     "lightning_docs": ("lightning_docs", "train.py", [], [],
                        {"starvation": {"apply": {"loader": {"num_workers": 4,
                                                             "persistent_workers": True}}},
@@ -137,6 +145,110 @@ training_args = TrainingArguments(output_dir="test_trainer", eval_strategy="epoc
 trainer = Trainer(model=model, args=training_args, train_dataset=small_train_dataset,
                   eval_dataset=small_eval_dataset)
 trainer.train()
+"""
+
+# PyTorch's quick start (FashionMNIST, NeuralNetwork, train() and test() each epoch), saving the
+# whole model each epoch as its "Saving and Loading Models" tutorial shows (torch.save(model, PATH));
+# FashionMNIST's synthetic files as MNIST's (see prepare), or its shape where torchvision is not
+# installed. 30 epochs instead of 5, and --samples 1280 in the runs here (epochs of 20 steps), so
+# that the doctor's phases and its verifying runs span several epochs, their tests and their saves.
+SAVE_WHOLE_MODEL = """\
+import argparse
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+p = argparse.ArgumentParser()
+p.add_argument("--samples", type=int, default=None, help="train on the first N (epochs of N/64)")
+a = p.parse_args()
+
+try:
+    from torchvision import datasets
+    from torchvision.transforms import ToTensor
+    training_data = datasets.FashionMNIST(root="data", train=True, download=True,
+                                          transform=ToTensor())
+    test_data = datasets.FashionMNIST(root="data", train=False, download=True,
+                                      transform=ToTensor())
+except ImportError:        # no torchvision (the doctor_public patch): FashionMNIST's shape
+    training_data = torch.utils.data.TensorDataset(torch.rand(60000, 1, 28, 28),
+                                                   torch.randint(0, 10, (60000,)))
+    test_data = torch.utils.data.TensorDataset(torch.rand(10000, 1, 28, 28),
+                                               torch.randint(0, 10, (10000,)))
+
+if a.samples:
+    training_data = Subset(training_data, range(a.samples))
+    test_data = Subset(test_data, range(a.samples // 6))
+batch_size = 64
+train_dataloader = DataLoader(training_data, batch_size=batch_size)
+test_dataloader = DataLoader(test_data, batch_size=batch_size)
+
+device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() \
+    else "cpu"
+print(f"Using {device} device")
+
+
+class NeuralNetwork(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.linear_relu_stack = nn.Sequential(
+            nn.Linear(28 * 28, 512),
+            nn.ReLU(),
+            nn.Linear(512, 512),
+            nn.ReLU(),
+            nn.Linear(512, 10)
+        )
+
+    def forward(self, x):
+        x = self.flatten(x)
+        logits = self.linear_relu_stack(x)
+        return logits
+
+
+model = NeuralNetwork().to(device)
+loss_fn = nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def train(dataloader, model, loss_fn, optimizer):
+    size = len(dataloader.dataset)
+    model.train()
+    for batch, (X, y) in enumerate(dataloader):
+        X, y = X.to(device), y.to(device)
+        pred = model(X)
+        loss = loss_fn(pred, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if batch % 100 == 0:
+            loss, current = loss.item(), (batch + 1) * len(X)
+            print(f"loss: {loss:>7f}  [{current:>5d}/{size:>5d}]")
+
+
+def test(dataloader, model, loss_fn):
+    size = len(dataloader.dataset)
+    num_batches = len(dataloader)
+    model.eval()
+    test_loss, correct = 0, 0
+    with torch.no_grad():
+        for X, y in dataloader:
+            X, y = X.to(device), y.to(device)
+            pred = model(X)
+            test_loss += loss_fn(pred, y).item()
+            correct += (pred.argmax(1) == y).type(torch.float).sum().item()
+    test_loss /= num_batches
+    correct /= size
+    print(f"Test Error: \\n Accuracy: {(100*correct):>0.1f}%, Avg loss: {test_loss:>8f} \\n")
+
+
+epochs = 30
+for t in range(epochs):
+    print(f"Epoch {t+1}\\n-------------------------------")
+    train(train_dataloader, model, loss_fn, optimizer)
+    test(test_dataloader, model, loss_fn)
+    torch.save(model, "model.pth")
+print("Done!")
 """
 
 # Lightning's LitAutoEncoder, as its README and quick start show it (max_epochs 1 -> 5).
@@ -227,7 +339,8 @@ def _mnist(raw: str) -> None:
             f.write(np.array([2049, n], dtype=">i4").tobytes() + labels.tobytes())
 
 
-def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False) -> None:
+def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False,
+            no_data: bool = False) -> None:
     if not data_only:
         _extract(os.path.join(mirror, "karpathy+nanoGPT", "repo"),
                  ["train.py", "model.py", "configurator.py", "config"],
@@ -236,13 +349,17 @@ def prepare(mirror: str | None, dest: str = DEST, data_only: bool = False) -> No
                  ["imagenet", "word_language_model", "dcgan", "vae", "mnist",
                   ":!word_language_model/data"],
                  os.path.join(dest, "examples"))
-    for folder, text in (("hf_trainer_docs", HF_TRAINER_DOCS), ("lightning_docs", LIGHTNING_DOCS)):
+    for folder, text in (("hf_trainer_docs", HF_TRAINER_DOCS), ("lightning_docs", LIGHTNING_DOCS),
+                         ("save_whole_model", SAVE_WHOLE_MODEL)):
         os.makedirs(os.path.join(dest, folder), exist_ok=True)
         with open(os.path.join(dest, folder, "train.py"), "w") as f:
             f.write(text)
+    if no_data:                # the sources only (a few MB: what a GPU machine is sent)
+        return
     _shakespeare_char(os.path.join(dest, "nanoGPT", "data", "shakespeare_char"))
     _mnist(os.path.join(dest, "examples", "data", "MNIST", "raw"))
     _mnist(os.path.join(dest, "lightning_docs", "MNIST", "raw"))
+    _mnist(os.path.join(dest, "save_whole_model", "data", "FashionMNIST", "raw"))
     _wikitext2(os.path.join(dest, "examples", "word_language_model", "data", "wikitext-2"))
 
 
@@ -278,6 +395,7 @@ def _doctor(cwd: str, script: str, args: list, *options, timeout: float = 900) -
     with open(out) as f:
         d = json.load(f)
     d["seconds"] = seconds
+    d["rc"] = r.returncode
     d["report"] = r.stdout[-6000:]
     return d
 
@@ -318,23 +436,54 @@ def _hand_fix(cwd, script, args, fix, warmup, steps, pairs) -> dict:
             "fix": fix}
 
 
-def run_case(name: str, device: str, pairs: int, verify: bool) -> dict:
+def _verified_gain(d: dict) -> dict:
+    """Per finding the doctor checked: its predicted gain and what --verify measured (both on the
+    unobserved step's scale: the verified runs time unobserved steps)."""
+    scale = (d["plain_step_ms"] / d["step_ms"]) if d.get("plain_step_ms") and \
+        d.get("step_ms") else 1.0
+    out = []
+    for f in d.get("findings", []):
+        v = f.get("verified") or {}
+        predicted = (d["step_ms"] - f["predicted_ms"]) * scale \
+            if f.get("predicted_ms") is not None and d.get("step_ms") else None
+        verified = v["baseline_ms"] - v["measured_ms"] \
+            if v.get("baseline_ms") is not None and v.get("measured_ms") is not None else None
+        out.append({"kind": f.get("kind"), "title": f.get("title"),
+                    "predicted_gain_ms": predicted, "verified_gain_ms": verified,
+                    "kept": v.get("kept") if v else None})
+    return out
+
+
+def run_case(name: str, device: str, pairs: int, verify: bool | None,
+             quick: bool = True) -> dict:
+    """`verify`: True (--verify), False (--no-verify), None (the doctor's default)."""
     folder, script, cpu_args, cuda_args, fixes = CASES[name]
     cwd = os.path.join(DEST, folder)
     args = cuda_args if device == "cuda" else cpu_args
     res = {"script": f"{folder}/{script}", "args": args}
-    quick = _doctor(cwd, script, args, "--quick", "--no-verify")
-    full = _doctor(cwd, script, args, *(["--verify"] if verify else ["--no-verify"]))
+    quick_run = _doctor(cwd, script, args, "--quick", "--no-verify") if quick else {}
+    flag = [] if verify is None else ["--verify"] if verify else ["--no-verify"]
+    full = _doctor(cwd, script, args, *flag)
     keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
-            "periodic", "boundary", "warmup_steps", "seconds", "verify", "error", "notes")
-    res["quick"] = {k: quick.get(k) for k in keep}
+            "periodic", "boundary", "warmup_steps", "seconds", "verify", "verify_runs",
+            "verify_seconds", "verify_where", "error", "notes")
+    res["quick"] = {k: quick_run.get(k) for k in keep} if quick else None
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",
                                                          "wins_ms", "verified")}
                                   for f in full.get("findings", [])]
-    res["same_verdict"] = quick.get("verdict") == full.get("verdict")
+    # What the issue's proof asks per script: the verdict, predicted against verified gain, the
+    # doctor's wall time and the runs it made (its own and --verify's).
+    res["summary"] = {"verdict": full.get("verdict"), "doctor_wall_s": full.get("seconds"),
+                      "runs": 1 + (full.get("verify_runs") or 0),
+                      "verify_seconds": full.get("verify_seconds"),
+                      # the script failed or exited non-zero under the doctor
+                      "harmed": bool(full.get("error")) or bool(full.get("rc")) or
+                      "stopped with" in (full.get("provisional_why") or ""),
+                      "gains": _verified_gain(full)}
+    res["same_verdict"] = quick_run.get("verdict") == full.get("verdict") if quick else None
     top = full["findings"][0] if full.get("findings") else None
-    if top is not None and top["kind"] in fixes:
+    if top is not None and top["kind"] in fixes and pairs > 0:
         hand = _hand_fix(cwd, script, args, fixes[top["kind"]], full.get("warmup_steps") or 3,
                          20, pairs)
         res["hand_fix"] = hand
@@ -360,17 +509,24 @@ def main(argv: list | None = None) -> int:
     pp.add_argument("--mirror", default="/work/.mirror")
     pp.add_argument("--data-only", action="store_true",
                     help="only the synthetic data (the sources are already in place)")
+    pp.add_argument("--no-data", action="store_true",
+                    help="only the sources (write the data where the scripts run: --data-only)")
     pr = sub.add_parser("run")
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     pr.add_argument("--only", default="", help="comma-separated case names")
     pr.add_argument("--pairs", type=int, default=2)
-    pr.add_argument("--verify", action="store_true", help="the default runs with --verify")
+    pr.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                    help="the default run with --verify / --no-verify (default: neither, the "
+                         "doctor's own default)")
+    pr.add_argument("--no-quick", action="store_true", help="skip the --quick run")
     pr.add_argument("--budget-s", type=float, default=1e9,
                     help="start no new script after this many seconds")
     pr.add_argument("--out", default=None)
+    pr.add_argument("--append", action="store_true",
+                    help="keep the cases already in --out (runs split over several commands)")
     ns = p.parse_args(argv)
     if ns.cmd == "prepare":
-        prepare(ns.mirror, data_only=ns.data_only)
+        prepare(ns.mirror, data_only=ns.data_only, no_data=ns.no_data)
         return 0
     names = [n for n in ns.only.split(",") if n] or list(CASES)
     out = ns.out or os.path.join(HERE, "results", f"doctor_public_{ns.device}.json")
@@ -378,23 +534,32 @@ def main(argv: list | None = None) -> int:
     import torch
     results = {"command": " ".join(sys.argv), "device": ns.device, "torch": torch.__version__,
                "cases": {}}
+    if ns.append and os.path.exists(out):
+        with open(out) as f:
+            kept = json.load(f)
+        results["command"] = kept.get("command", "") + "; " + results["command"]
+        results["cases"] = kept.get("cases", {})
     for name in names:
         if time.perf_counter() - started > ns.budget_s:
             results["cases"][name] = {"skipped": "budget"}
             continue
         t = time.perf_counter()
         try:
-            results["cases"][name] = run_case(name, ns.device, ns.pairs, ns.verify)
+            results["cases"][name] = run_case(name, ns.device, ns.pairs, ns.verify,
+                                              quick=not ns.no_quick)
         except Exception as e:                     # one script's failure is its result
             results["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
         results["cases"][name]["case_seconds"] = time.perf_counter() - t
         with open(out, "w") as f:
             json.dump(results, f, indent=1, default=str)
         c = results["cases"][name]
-        print(f"{name}: default {c.get('default', {}).get('verdict')}, quick "
-              f"{c.get('quick', {}).get('verdict')}, predicted gain "
-              f"{c.get('predicted_gain_ms')}, measured {c.get('measured_gain_ms')} "
-              f"({c['case_seconds']:.0f} s)", flush=True)
+        summary = c.get("summary", {})
+        print(f"{name}: default {summary.get('verdict')}, quick "
+              f"{(c.get('quick') or {}).get('verdict')}, doctor {summary.get('doctor_wall_s')} s "
+              f"in {summary.get('runs')} runs, gains (predicted, verified, kept) "
+              + str([(g["kind"], g["predicted_gain_ms"], g["verified_gain_ms"], g["kept"])
+                     for g in summary.get("gains", [])])
+              + f", by hand {c.get('measured_gain_ms')} ({c['case_seconds']:.0f} s)", flush=True)
     return 0
 
 

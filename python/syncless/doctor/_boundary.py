@@ -5,7 +5,14 @@ Detectors, strongest first: the user's marker (`syncless.step()`), a source line
 the outermost nn.Module call (inference). All listen from the start; the strongest kind seen so far
 is the boundary, and a stronger one appearing (the first optimizer.step() comes after the first
 backward()) restarts the count. Calls recorded into a CUDA graph are not boundaries: they do not
-run now. Only one detector set is live at a time (the marker reaches it through a global)."""
+run now. Only one detector set is live at a time (the marker and the hooks reach it through a
+global).
+
+Nothing the detectors attach may change what the script can do with its own objects: the hooks on
+the model are module-level functions (a pickle of the model would name them, not fail on them),
+and while they are on it, a pickle or a copy of the model (`torch.save(model)`, `copy.deepcopy`
+for an EMA, a spawned worker's copy) leaves them out, so its file and its copies are the ones the
+script makes without the doctor. Every patch is undone by remove()."""
 from __future__ import annotations
 
 import os
@@ -92,6 +99,8 @@ class Boundaries:
         self._optimizer_hook: RemovableHandle | None = None
         self._backward: Any = None             # torch.autograd.backward while it is replaced
         self._module_call: Any = None          # nn.Module.__call__ while it is replaced
+        self._reduce_ex: Any = None            # set while nn.Module.__reduce_ex__ is ours
+        self._hook_ids: set[int] = set()       # the ids of the hooks on the model
         self._line: _LineWatch | None = None   # --step-at's watcher
 
     # ---- the decision ---------------------------------------------------------------------------
@@ -118,20 +127,18 @@ class Boundaries:
         # The first module call, through nn.Module.__call__ itself until it comes: a global
         # module hook would make torch.compile'd modules warn that global hooks are set (a
         # warning the script does not have without the doctor, an error under -W error).
-        module_call = self._module_call = torch.nn.Module.__call__
-
-        def first_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if self.model is None and not _capturing():
-                self._restore_module_call()
-                self._on_first_module(module)
-            return module_call(module, *args, **kwargs)
-
-        setattr(torch.nn.Module, "__call__", first_call)
+        global _torch_module_call
+        _torch_module_call = self._module_call = torch.nn.Module.__call__
+        setattr(torch.nn.Module, "__call__", _first_module_call)
+        if "__reduce_ex__" not in vars(torch.nn.Module):      # (another tool's: left alone)
+            self._reduce_ex = _ABSENT
+            setattr(torch.nn.Module, "__reduce_ex__", _reduce_without_hooks)
         original = self._backward = torch.autograd.backward
 
         def backward(*args: Any, **kwargs: Any) -> None:
             out = original(*args, **kwargs)
-            self.fire(BACKWARD)
+            if _active is self:                # a reference the script kept outlives us
+                self.fire(BACKWARD)
             return out
 
         setattr(torch.autograd, "backward", backward)
@@ -150,12 +157,17 @@ class Boundaries:
 
     def remove(self) -> None:
         global _active
-        if _active is self:
-            _active = None
         self._restore_module_call()
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._hook_ids.clear()
+        if self._reduce_ex is not None:
+            if vars(torch.nn.Module).get("__reduce_ex__") is _reduce_without_hooks:
+                delattr(torch.nn.Module, "__reduce_ex__")
+            self._reduce_ex = None
+        if _active is self:
+            _active = None
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
@@ -188,16 +200,20 @@ class Boundaries:
 
     def _restore_module_call(self) -> None:
         if self._module_call is not None:
-            setattr(torch.nn.Module, "__call__", self._module_call)
+            if torch.nn.Module.__call__ is _first_module_call:   # not one the script set since
+                setattr(torch.nn.Module, "__call__", self._module_call)
             self._module_call = None
 
     def _on_first_module(self, module: torch.nn.Module) -> None:
         # The first module called is the outermost one (nothing else runs yet). Module.__call__
         # is torch's again at once; hooks on the model stay, registered before its call runs
         # (a forward hook: the call's end is the boundary; a pre-hook: autocast at each call).
+        self._restore_module_call()
         self.model = module
-        self._handles.append(module.register_forward_hook(lambda m, a, o: self.fire(MODULE)))
-        self._handles.append(module.register_forward_pre_hook(self._on_model_call))
+        for handle in (module.register_forward_hook(_model_returned),
+                       module.register_forward_pre_hook(_model_called)):
+            self._handles.append(handle)
+            self._hook_ids.add(handle.id)
 
     def _on_model_call(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():          # no_grad, inference_mode: forward only
@@ -207,6 +223,56 @@ class Boundaries:
                 self.autocast = torch.is_autocast_enabled("cuda")
             except TypeError:                            # torch < 2.4
                 self.autocast = torch.is_autocast_enabled()
+
+
+_ABSENT = object()
+_torch_module_call: Any = None       # nn.Module.__call__ as torch has it, while ours replaces it
+
+# The model's hooks and the first-call detector: module-level functions that find the live
+# detector set through `_active`, so that nothing on the model refers to the doctor's state.
+
+
+def _first_module_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    b = _active
+    if b is not None and b.model is None and not _capturing():
+        b._on_first_module(module)
+    return _torch_module_call(module, *args, **kwargs)
+
+
+def _model_called(module: torch.nn.Module, args: Any) -> None:
+    b = _active
+    if b is not None and b.model is module:
+        b._on_model_call(module, args)
+
+
+def _model_returned(module: torch.nn.Module, args: Any, output: Any) -> None:
+    b = _active
+    if b is not None and b.model is module:
+        b.fire(MODULE)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _reduce_without_hooks(module: torch.nn.Module, protocol: int) -> Any:
+    """nn.Module.__reduce_ex__ while the doctor's hooks are on the model: the model's state as it
+    would be without them (pickle, torch.save, copy.deepcopy, copy.copy all reduce through
+    here), so that a saved model loads where syncless is not installed and an EMA copy carries
+    no hook of ours."""
+    reduced = object.__reduce_ex__(module, protocol)
+    b = _active
+    ours: set[int] = b._hook_ids if b is not None and b.model is module else set()
+    if not ours or not isinstance(reduced, tuple) or len(reduced) < 3:
+        return reduced
+    given: Any = reduced[2]
+    if not isinstance(given, dict):
+        return reduced
+    state = dict(given)
+    for name in _HOOK_DICTS:
+        hooks: Any = state.get(name)
+        if isinstance(hooks, dict) and id(hooks) == id(getattr(module, name, None)):
+            state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in ours)
+    return (*reduced[:2], state, *reduced[3:])
 
 
 class _LineWatch:

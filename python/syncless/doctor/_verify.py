@@ -38,14 +38,17 @@ import inspect
 import json
 import math
 import os
+import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._frameworks import DROPINS, applied_label
+from ._forkserver import Runner
+from ._isolate import TRACKERS_OFF
+from ._scratch import Scratch
 
 if TYPE_CHECKING:
     from .diagnose import Diagnosis
@@ -239,40 +242,89 @@ def _compile_first_model(mode: str) -> Callable[[], None]:
 
 # ---- in the doctor: run, pair, decide ------------------------------------------------------------
 
+def run_env() -> dict[str, str]:
+    """The environment of a measured run: the doctor's, with the experiment trackers off, and the
+    compile caches those of the doctor's own run (torch.compile's cache is found by the user's
+    name under the temp folder: set here, so that every run finds the same one, whatever TMPDIR
+    a script's launcher sets)."""
+    env = dict(os.environ, **TRACKERS_OFF)
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        user = re.sub(r'[\\/:*?"<>|]', "_", _user())    # as torch names it
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                      f"torchinductor_{user}")
+    return env
+
+
+def _user() -> str:
+    import getpass
+    try:
+        return getpass.getuser()
+    except Exception:                       # no user name (a container without one)
+        return "unknown"
+
+
 class Verifier:
     """Fresh measured runs of `script args`, each `warmup` + `steps` unobserved steps."""
 
     def __init__(self, script: str, args: list[str], warmup: int, steps: int, pairs: int = 3,
-                 timeout_s: float = 600.0, cwd: str | None = None) -> None:
+                 timeout_s: float = 600.0, cwd: str | None = None,
+                 scratch: Scratch | None = None) -> None:
         self.script, self.args = script, args
         self.warmup, self.steps, self.pairs = warmup, steps, pairs
         self.timeout_s = timeout_s
         self.cwd = cwd or os.getcwd()
+        self.scratch = scratch
+        self.runner = Runner(run_env())
         self.runs = 0
-        self.seconds = 0.0
+        self.seconds = 0.0          # all of it: the runs and the server's start
+        self.last_s = 0.0           # the last run's
+
+    def close(self) -> None:
+        self.runner.close()
 
     def measure(self, settings: dict[str, Any]) -> float | None:
-        """One run's steady step (ms) with `settings` applied; None if it measured nothing."""
-        with tempfile.TemporaryDirectory(prefix="syncless-verify-") as tmp:
+        """One run's steady step (ms) with `settings` applied; None if it measured nothing. The
+        first run that measures nothing as a fork of the server is run again as a fresh
+        interpreter; if that one measures, every later run is one too."""
+        ms, ended = self._measure(settings)
+        if ms is None and ended and self.runner.forks:
+            self.runner.fresh()
+            ms, _ = self._measure(settings)
+        return ms
+
+    def _measure(self, settings: dict[str, Any]) -> tuple[float | None, bool]:
+        """(the steady step, whether the run ended by itself: not timed out). The
+        run starts in a fresh scratch working directory (the script through its copy there when
+        it lives in the working directory, so that paths made from __file__ land there too),
+        with the trackers off, and stops once its window is timed."""
+        here = self.scratch.make() if self.scratch is not None else self.cwd
+        script = self.script
+        if self.scratch is not None:
+            inside = self.scratch.inside(script)
+            if inside != script and os.path.lexists(os.path.join(here, inside)):
+                script = os.path.join(here, inside)
+        with tempfile.TemporaryDirectory(prefix="syncless-measure-") as tmp:
             out = os.path.join(tmp, "m.json")
-            cmd = [sys.executable, "-m", "syncless", "doctor", "--measure", out,
-                   "--apply", json.dumps(settings), "--warmup", str(self.warmup),
-                   "--plain-steps", str(self.steps), self.script, *self.args]
+            argv = ["--measure", out, "--apply", json.dumps(settings), "--warmup",
+                    str(self.warmup), "--plain-steps", str(self.steps), script, *self.args]
             t = perf_counter()
+            self.runner.start()
+            started = perf_counter()
             try:
-                subprocess.run(cmd, cwd=self.cwd, timeout=self.timeout_s, env=dict(os.environ),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            except subprocess.TimeoutExpired:
-                return None
+                if self.runner.run(argv, here, self.timeout_s) is None:
+                    return None, False          # timed out
             finally:
                 self.runs += 1
+                self.last_s = perf_counter() - started
                 self.seconds += perf_counter() - t
+                if self.scratch is not None:
+                    self.scratch.drop(here)
             try:
                 with open(out) as f:
                     ms = json.load(f).get("plain_step_ms")
-                return float(ms) if ms is not None else None
+                return (float(ms) if ms is not None else None), True
             except (OSError, ValueError):
-                return None
+                return None, True
 
     def paired(self, settings: dict[str, Any],
                base: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -35,6 +35,8 @@ from typing import Callable
 
 from . import _verify
 from ._boundary import parse_step_at
+from ._isolate import Watch
+from ._scratch import Scratch
 from ._loader import cpu_count
 from ._session import ScriptSession
 from ._session_report import diagnosis
@@ -62,6 +64,7 @@ def _step_at(text: str) -> tuple[str, int]:
 
 QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
 VERIFY_BUDGET_S = 120.0   # --verify is on by default when its runs should take less than this
+PROBE_OVER = 4.0          # ... and up to this many times more, one run is timed to decide
 DEFAULT = {"warmup": 3, "steps": 30, "probe_steps": 3, "audit_steps": 10, "trace_steps": 3}
 
 
@@ -130,6 +133,18 @@ def checked(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Name
     return ns
 
 
+def quick_skipped(ns: argparse.Namespace) -> str:
+    """What --quick left out, against the default run: the report's note."""
+    names = {"warmup": "at least {} warm-up steps", "steps": "{} monitored steps",
+             "audit_steps": "{} audited steps"}
+    fewer = [what.format(getattr(ns, k)) + f" (default {DEFAULT[k]})"
+             for k, what in names.items() if getattr(ns, k) < DEFAULT[k]]
+    plain = ns.plain_steps if ns.plain_steps is not None else ns.steps
+    return ("--quick: " + ", ".join(fewer) + f", {plain} steps timed unobserved (default "
+            f"{DEFAULT['steps']}): a stall that comes less often than that is seen as a one-off; "
+            "the window still starts past the loader's prefetch and the warm-up")
+
+
 def _measure(ns: argparse.Namespace) -> int:
     """--measure PATH: time the script's steps unobserved (after an honest warm-up), with the
     --apply settings applied from outside the code; write {"plain_step_ms": ...} to PATH."""
@@ -148,8 +163,9 @@ def _measure(ns: argparse.Namespace) -> int:
 
 
 def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis,
-                  cwd: str, elapsed_s: float) -> None:
-    """--verify (or its default): the setting fixes measured in fresh paired runs."""
+                  cwd: str, elapsed_s: float, watch: Watch | None) -> None:
+    """--verify (or its default): the setting fixes measured in fresh paired runs, each in a
+    scratch copy of the working directory with the trackers off (see _isolate)."""
     fixes = _verify.setting_fixes(d)
     if not fixes or ns.verify is False:
         return
@@ -161,16 +177,43 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
-    if ns.verify is None and estimate > VERIFY_BUDGET_S:
-        d.verify_lines = [f"off: its {runs} runs would take about {estimate:.0f} s (on by "
-                          f"default under {VERIFY_BUDGET_S:.0f} s); pass --verify to check "
-                          "the fixes"]
+    why = watch.why_not() if watch is not None else None
+    if ns.verify is None and why is not None:
+        d.verify_lines = [f"off: {why}; pass --verify to run them anyway"]
         return
+    if ns.verify is None and estimate > PROBE_OVER * VERIFY_BUDGET_S:
+        d.verify_lines = [_over_budget(runs, estimate)]
+        return
+    if why is not None:
+        print(f"\nsyncless doctor: --verify runs the script again although {why}",
+              file=sys.stderr, flush=True)
+    scratch = Scratch(cwd, watch)
     v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
                          max(session.plan["plain"], 5), ns.verify_pairs,
-                         timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd)
-    d.verify_lines = _verify.verify(d, v, loader, cpus)
-    d.verify_runs = (v.runs, v.seconds)
+                         timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd, scratch=scratch)
+    try:
+        if ns.verify is None and estimate > VERIFY_BUDGET_S:
+            # The doctor's own run paid imports a measured run does not (forks of a server
+            # that has them): one run, timed, says what the others will take.
+            v.measure({})
+            estimate = v.seconds + runs * v.last_s
+            if estimate > VERIFY_BUDGET_S:
+                d.verify_lines = [_over_budget(runs, estimate, v.last_s)]
+                return
+        d.verify_lines = _verify.verify(d, v, loader, cpus)
+        d.verify_runs = (v.runs, v.seconds)
+        d.verify_where = (f"each in a fresh copy of the working directory under {scratch.root} "
+                          "(removed), trackers off" + (f"; not isolated: {why}" if why else ""))
+    finally:
+        v.close()
+        scratch.close()
+
+
+def _over_budget(runs: int, estimate: float, one: float | None = None) -> str:
+    took = f" (one, timed in a scratch copy of the working directory, took {one:.1f} s)" \
+        if one is not None else ""
+    return (f"off: its {runs} runs would take about {estimate:.0f} s{took} (on by default under "
+            f"{VERIFY_BUDGET_S:.0f} s); pass --verify to check the fixes")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,8 +229,14 @@ def run(ns: argparse.Namespace) -> int:
                             ns.trace_steps, ns.step_at, ns.plain_steps)
     exit_, error = None, None
     script = os.path.abspath(ns.script)          # now: the script may chdir
+    # What the script writes and where it connects, for --verify's runs of it.
+    watch = Watch(cwd, script) if ns.verify is not False else None
     try:
-        session.run(ns.script, ns.args)
+        if watch is not None:
+            with watch:
+                session.run(ns.script, ns.args)
+        else:
+            session.run(ns.script, ns.args)
     except SystemExit as e:                      # sys.exit(), exit(), argparse's errors
         exit_ = e
         code = e.code if e.code is not None else 0
@@ -199,6 +248,8 @@ def run(ns: argparse.Namespace) -> int:
     # its exit code. A failure of the report itself must not hide either.
     try:
         d = diagnosis(session)
+        if ns.quick:
+            d.notes.append(quick_skipped(ns))
         text = d.report()
     except Exception:
         print("\nsyncless doctor: the report failed (a bug in syncless: please report it):",
@@ -207,7 +258,8 @@ def run(ns: argparse.Namespace) -> int:
     else:
         if error is None and session.plain.done_s is not None:
             try:
-                _verify_fixes(ns, session, d, cwd, session.plain.done_s - started + 2.0)
+                _verify_fixes(ns, session, d, cwd, session.plain.done_s - started + 2.0,
+                              watch)
                 text = d.report()
             except Exception:
                 print("\nsyncless doctor: --verify failed (a bug in syncless: please report it):",

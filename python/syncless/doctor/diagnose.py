@@ -75,6 +75,7 @@ class Diagnosis:
     provisional_why: str = ""
     verify_lines: list[str] = field(default_factory=list)   # --verify's lines, for the report
     verify_runs: tuple[int, float] = (0, 0.0)          # (runs, seconds) --verify took
+    verify_where: str = ""                              # where those runs ran
     _sampled: Any = None               # the sampler's counts by (file, line, via)
     _printed: bool = field(default=False, compare=False)   # doctor() printed the report
 
@@ -118,6 +119,7 @@ class Diagnosis:
             "provisional": self.provisional, "provisional_why": self.provisional_why,
             "periodic": [s.as_dict() for s in self.periodic],
             "verify": self.verify_lines, "verify_runs": self.verify_runs[0],
+            "verify_seconds": self.verify_runs[1], "verify_where": self.verify_where,
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
             "host_ms": self.host_ms, "sync_cost_ms": self.sync_cost_ms,

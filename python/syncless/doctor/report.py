@@ -188,6 +188,8 @@ def render_doctor(d: Any) -> str:
         lines.append("")
         lines.append(f"checked by --verify ({runs} fresh runs of the script, {seconds:.0f} s; "
                      "paired, interleaved; 95% intervals):")
+        if d.verify_where:
+            lines.append(f"  (runs {d.verify_where})")
         lines += [f"  - {line}" for line in d.verify_lines]
     if d.speedups:
         lines.append("")

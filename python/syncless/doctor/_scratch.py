@@ -1,0 +1,66 @@
+"""Scratch working directories for --verify's runs: each a copy of the user's working directory
+as the doctor's own run found it, written into freely and removed after the run (see _isolate)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from ._isolate import Watch, under
+
+__all__ = ["Scratch"]
+
+
+class Scratch:
+    """Fresh working directories for --verify's runs, all under one temporary folder, removed by
+    close(): each a copy of the user's working directory as the doctor's run found it (see the
+    module's docstring)."""
+
+    def __init__(self, cwd: str, watch: Watch | None) -> None:
+        self.cwd = os.path.realpath(cwd)
+        self.root = tempfile.mkdtemp(prefix="syncless-verify-")
+        self.created = watch.created if watch is not None else set()
+        self.changed = watch.changed if watch is not None else set()
+        # Folders the script wrote in: made for real (their entries linked one by one).
+        self._real: set[str] = {""}
+        for p in self.created | self.changed:
+            parts = p.split(os.sep)
+            for i in range(1, len(parts)):
+                self._real.add(os.sep.join(parts[:i]))
+        self.count = 0
+
+    def make(self) -> str:
+        """A new working directory for one run."""
+        self.count += 1
+        here = os.path.join(self.root, f"run{self.count}")
+        self._mirror("", here)
+        return here
+
+    def _mirror(self, rel: str, into: str) -> None:
+        os.makedirs(into, exist_ok=True)
+        try:
+            entries = list(os.scandir(os.path.join(self.cwd, rel)))
+        except OSError:
+            return
+        for e in entries:
+            sub = os.path.join(rel, e.name) if rel else e.name
+            target = os.path.join(into, e.name)
+            if sub in self.created:
+                continue                          # the doctor's run made it: the run makes its own
+            if sub in self._real and e.is_dir(follow_symlinks=False):
+                self._mirror(sub, target)
+            elif sub in self.changed and e.is_file(follow_symlinks=False):
+                shutil.copy2(e.path, target)      # the script rewrites it: its own copy
+            else:
+                os.symlink(e.path, target)
+
+    def inside(self, path: str) -> str:
+        """`path` (under the user's working directory) as seen from a run's directory."""
+        full = os.path.realpath(path)
+        return os.path.relpath(full, self.cwd) if under(full, self.cwd) else path
+
+    def drop(self, here: str) -> None:
+        shutil.rmtree(here, ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
