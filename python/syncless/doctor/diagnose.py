@@ -11,12 +11,13 @@ import statistics
 import warnings
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ._sampler import Line, StackSampler
 from ._series import Stalls
+from ._sweep import Sweep
 from .audit import ASYNC_COPY, COPY, SYNC, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
@@ -458,6 +459,7 @@ class Measured:
     model: Any = None                       # the outermost module called
     autocast: bool | None = None            # autocast on at its call
     handoff_ms: float | None = None         # taking one ready batch from a worker (measured)
+    sweeper: Callable[[float], Sweep | None] | None = None   # the loader's workers, measured
 
     @property
     def cupti(self) -> bool:
@@ -635,7 +637,7 @@ def _rank(d: Diagnosis, m: Measured, every_step: bool, optimizers: list[Any],
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=m.gpu, copy_ms=copy_ms,
                            data_cpu=summary.data_cpu, host_ms=d.host_ms,
                            trainer_cpus=1 if m.gpu else torch.get_num_threads(),
-                           handoff_ms=m.handoff_ms)
+                           handoff_ms=m.handoff_ms, sweeper=m.sweeper)
     if f:
         findings.append(f)
     elif m.handoff_ms is not None and 0.05 <= summary.data_ms <= m.handoff_ms:

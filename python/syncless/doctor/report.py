@@ -226,7 +226,7 @@ def render_watch(w: Any) -> str:
         c = m.gpu_clock
         lines.append(f"GPU clock (the logger's rows, {c.steps} steps): {c.pace_ms:.3f} ms/step; "
                      f"{c.verdict()}")
-    findings = m.findings()
+    findings = w.findings(m)
     if findings:
         for f in findings:
             lines.append(f"{f.title}: wins back {f.cost_ms:.3f} ms/step; {f.detail}")
