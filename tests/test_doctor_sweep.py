@@ -59,7 +59,7 @@ def test_the_sweep_times_the_users_own_loader_and_leaves_its_rng_alone():
     # a host loaded enough to slow 4 down by half).
     s = _sweep.sweep(_sweep.recipe(loader), 15.0, CPUS)
     assert list(s.period_ms) in ([1, 2, 4], [1, 2, 4, 8]), s
-    assert s.ended == f"{max(s.period_ms)} workers keep up with the step"
+    assert s.ended == f"stopped at {max(s.period_ms)} workers: they keep up with the step"
     # 4 samples x 10 ms a batch per worker: 40 ms with one, halved by each doubling.
     assert s.period_ms[1] >= 39 and s.period_ms[4] <= 0.35 * s.period_ms[1], s.text()
     assert not s.computes and max(s.cpu_share.values()) < _sweep.COMPUTES, s.cpu_share

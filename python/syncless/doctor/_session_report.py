@@ -44,6 +44,8 @@ def diagnosis(s: ScriptSession, boundary: str | None = None) -> Diagnosis:
         optimizer_ms=opt_s * 1e3 / monitored if opt_s else None,
         model=s.bounds.model, autocast=s.bounds.autocast, handoff_ms=handoff,
         sweeper=sweeper(s.feed.feeding_recipe())))
+    # Over the run and the loader sweep: whether other processes competed for the CPUs.
+    d.load = s.load.read() if s.load is not None else None
     if s.tracing.traced:
         d.trace = s.trace
     if d.summary.steps:                      # every monitored step, stalls or not

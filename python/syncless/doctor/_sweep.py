@@ -13,8 +13,9 @@ still cuts the batch period to GAIN or less, until the loader keeps up with the 
 count reaches max_workers(), or the time is spent (SWEEP_S). Each k's side loader starts its
 workers as the user's would (forked on Linux, the loader's own multiprocessing context where it
 has one), serves the batches it asks for at the start (two per worker: their start and first
-batches), then rounds of one batch per worker (at least ROUNDS and MIN_S), timed end to end; its
-workers' CPU time is read from /proc on the way. The user's
+batches), then rounds of one batch per worker (at least ROUNDS and MIN_S), each timed: the period
+is the median round's time over k (a burst of the host's load in one round does not move it);
+its workers' CPU time is read from /proc on the way. The user's
 RNG states (torch's, Python's, numpy's, the sampler's generator) are put back after the sweep: it
 must not change the order the loop sees next."""
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import statistics
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -128,7 +130,7 @@ class Sweep:
     cpu_share: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
     batches: dict[int, int] = field(default_factory=dict)    # taken, per worker count
-    ended: str = ""                 # why it stopped, in words
+    ended: str = ""                 # why it stopped: "the sweep <ended>"
 
     @property
     def computes(self) -> bool:
@@ -216,10 +218,13 @@ def _time(r: Recipe, k: int, deadline: float) -> tuple[float, float | None, int]
             taken += 1
         t0, c0 = perf_counter(), _cpu(pids)
         n = 0
+        ends = [t0]                              # each round's end
         while perf_counter() < deadline:
             if n % k == 0:                       # whole rounds: waiting workers deliver together
-                spent = perf_counter() - t0
-                if n >= ROUNDS * k and spent >= MIN_S or n >= k and spent >= K_S:
+                now = perf_counter()
+                if n:
+                    ends.append(now)
+                if n >= ROUNDS * k and now - t0 >= MIN_S or n >= k and now - t0 >= K_S:
                     break
             try:
                 next(it)
@@ -232,7 +237,10 @@ def _time(r: Recipe, k: int, deadline: float) -> tuple[float, float | None, int]
         wall = perf_counter() - t0
         c1 = _cpu(pids)
         share = (c1 - c0) / (wall * k) if c0 is not None and c1 is not None else None
-        return wall / n * 1e3, share, taken
+        # The median round: a burst of the host's load in one round does not move it.
+        rounds = [b - a for a, b in zip(ends, ends[1:])]
+        period = statistics.median(rounds) / k if len(rounds) >= ROUNDS else wall / n
+        return period * 1e3, share, taken
     except StopIteration:
         return None
     finally:
@@ -256,11 +264,11 @@ def sweep(r: Recipe, target_ms: float, cpus: int, start: int = 1,
             try:
                 got = _time(r, k, deadline)
             except Exception as e:                   # the user's dataset failed in a worker
-                out.ended = f"a side loader of {k} workers failed: {type(e).__name__}: {e}"
+                out.ended = f"stopped: a side loader of {k} workers failed: {type(e).__name__}: {e}"
                 break
             if got is None:
-                out.ended = (f"out of time at {k} workers" if perf_counter() > deadline else
-                             f"the dataset ran out at {k} workers")
+                out.ended = (f"ran out of time at {k} workers" if perf_counter() > deadline
+                             else f"stopped: the dataset ran out at {k} workers")
                 break
             period, share, taken = got
             out.batches[k] = taken
@@ -269,13 +277,14 @@ def sweep(r: Recipe, target_ms: float, cpus: int, start: int = 1,
             if share is not None:
                 out.cpu_share[k] = share
             if period <= target_ms:
-                out.ended = f"{k} workers keep up with the step"
+                out.ended = f"stopped at {k} workers: they keep up with the step"
                 break
             if previous is not None and period > GAIN * previous:
-                out.ended = f"doubling to {k} workers cut the period by less than {1 - GAIN:.0%}"
+                out.ended = (f"stopped at {k} workers: doubling cut the period by less than "
+                             f"{1 - GAIN:.0%}")
                 break
             if 2 * k > top:
-                out.ended = f"{k} workers: the most the sweep tries on {cpus} CPUs"
+                out.ended = f"stopped at {k} workers, the most it tries on {cpus} CPUs"
                 break
             k *= 2
     out.seconds = perf_counter() - began

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._sampler import Line, StackSampler
+from ._load import Load
 from ._series import Stalls
 from ._sweep import Sweep
 from .audit import ASYNC_COPY, COPY, SYNC, Audit
@@ -50,6 +51,7 @@ class Diagnosis:
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
     handoff_ms: float | None = None    # taking one ready batch from a worker, measured here
+    load: Load | None = None           # other processes' load on the CPUs over the run
     cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
@@ -131,6 +133,7 @@ class Diagnosis:
             "trace": dict(vars(self.kernel_time)) if self.kernel_time else None,
             "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
             "handoff_ms": self.handoff_ms,
+            "load": self.load.as_dict() if self.load else None,
             "top_predicted_ms": top.predicted_ms if top else None,
             "findings": [f.as_dict() for f in self.findings],
             "minor": [f.as_dict() for f in self.minor], "settings": self.settings,
