@@ -108,7 +108,7 @@ def render_doctor(d: Any) -> str:
                      "may differ without it" + (
                          "; the loader's worker count comes from its measured sweep"
                          if starved is not None and "sweep" in starved.extra else ""))
-    lines += ["", f"verdict{' (measured under load)' if loaded else ''}: {d.verdict}"]
+    lines += ["", f"verdict: {d.verdict}" + (" (measured under load)" if loaded else "")]
     if d.headroom:
         lines.append(f"headroom: {d.headroom}")
     plain = getattr(d, "plain_step_ms", None)
