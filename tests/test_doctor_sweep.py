@@ -174,3 +174,43 @@ def test_the_script_doctor_prescribes_the_measured_workers(tmp_path):
     assert set(f["sweep"]["period_ms"]) >= {"1", "2", "4"}, f["sweep"]
     measured = measured_step(Storage(), workers, tiny_step())
     assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured, f["fixes"][0])
+
+
+class Broken(Dataset):
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        raise OSError(f"sample {i}: no such file")
+
+
+class Stuck(Dataset):
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        time.sleep(4)                      # a read that comes back too late
+
+
+def test_a_failing_dataset_ends_the_sweep_not_the_doctor():
+    before = children()
+    s = _sweep.sweep(_sweep.recipe(DataLoader(Broken(), batch_size=4)), 1.0, CPUS)
+    assert s.period_ms == {} and s.ended.startswith(
+        "stopped: a side loader of 1 workers failed: OSError: Caught OSError in DataLoader "
+        "worker process 0"), s.ended
+    assert children() == before
+    # Nothing measured: the finding falls back to the model, and says nothing of a sweep.
+    from syncless.doctor.findings import starvation_finding
+    f = starvation_finding(40.0, 42.0, None, {"num_workers": 0}, cpus=2, data_cpu=0.0,
+                           sweeper=lambda target: s)
+    assert "measured: side loaders" not in f.fixes[0] and f.extra["workers_needed"] is not None
+
+
+@pytest.mark.slow
+def test_a_stuck_dataset_ends_the_sweep_not_the_doctor():
+    before = children()
+    t = time.perf_counter()
+    s = _sweep.sweep(_sweep.recipe(DataLoader(Stuck(), batch_size=4)), 1.0, CPUS, budget_s=1.5)
+    assert time.perf_counter() - t < 10, "the batch's timeout ends it, with the workers"
+    assert s.period_ms == {} and "failed: RuntimeError: DataLoader timed out" in s.ended, s.ended
+    assert children() == before

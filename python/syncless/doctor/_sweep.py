@@ -8,20 +8,19 @@ cores: 41.8 ms/step with no worker, 21.0 with 2, 10.4 with 4, 5.6 with 8, where 
 allowed one), and workers that decode compete for the CPUs with each other and with torch's own
 threads, so a count that the batch time asks for can deliver less than it promises.
 
-k doubles from 1 (or from where the loop's own data wait says it must start) while each doubling
-still cuts the batch period to GAIN or less, until the loader keeps up with the step, or the
-count reaches max_workers(), or the time is spent (SWEEP_S). Each k's side loader starts its
-workers as the user's would (forked on Linux, the loader's own multiprocessing context where it
-has one), serves the batches it asks for at the start (two per worker: their start and first
-batches), then rounds of one batch per worker (at least ROUNDS and MIN_S), each timed: the period
-is the median round's time over k (a burst of the host's load in one round does not move it);
-its workers' CPU time is read from /proc on the way. The user's
-RNG states (torch's, Python's, numpy's, the sampler's generator) are put back after the sweep: it
-must not change the order the loop sees next."""
+k doubles from 1 while each doubling still cuts the batch period to GAIN or less, until the
+loader keeps up with the step, or the count reaches max_workers(), or the time is spent (SWEEP_S).
+Each k's side loader starts its workers as the user's would (forked on Linux, the loader's own
+multiprocessing context where it has one), serves the batches it asks for at the start (two per
+worker: their start and first batches), then rounds of one batch per worker (at least ROUNDS and
+MIN_S), each timed: the period is the median round's time over k (a burst of the host's load in
+one round does not move it); its workers' CPU time is read from /proc on the way. A batch that
+takes longer than the time left ends the sweep (DataLoader's timeout), never the doctor. The
+user's RNG states (torch's, Python's, numpy's, the sampler's generator) are put back after the
+sweep: it must not change the order the loop sees next."""
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import statistics
 import sys
@@ -65,12 +64,14 @@ class Recipe:
     iterable: bool                  # an IterableDataset: no sampler of its own
     worker_init_fn: Any = None
     context: Any = None             # the loader's multiprocessing context (None: torch's default)
-    timeout: float = 0.0
 
-    def loader(self, workers: int) -> Any:
+    def loader(self, workers: int, timeout: float = 0.0) -> Any:
+        """A side loader of `workers` workers; `timeout`: seconds a batch may take (a worker
+        that hangs raises, and the sweep ends, instead of hanging the doctor)."""
         from torch.utils.data import DataLoader
         kw: dict[str, Any] = {"num_workers": workers, "collate_fn": self.collate_fn,
-                              "worker_init_fn": self.worker_init_fn, "timeout": self.timeout}
+                              "worker_init_fn": self.worker_init_fn,
+                              "timeout": timeout if workers else 0.0}
         if workers:
             kw["multiprocessing_context"] = self.context
             kw["prefetch_factor"] = PREFETCH
@@ -108,7 +109,7 @@ def recipe(obj: Any) -> Recipe | None:
     if isinstance(obj, DataLoader):
         return Recipe(obj.dataset, obj._index_sampler, obj._auto_collation, obj.collate_fn,
                       obj.drop_last, isinstance(obj.dataset, IterableDataset),
-                      obj.worker_init_fn, obj.multiprocessing_context, obj.timeout)
+                      obj.worker_init_fn, obj.multiprocessing_context)
     if isinstance(obj, _BaseDataLoaderIter):
         context = None
         workers = getattr(obj, "_workers", None) or []
@@ -118,7 +119,7 @@ def recipe(obj: Any) -> Recipe | None:
             context = multiprocessing.get_context(method)
         return Recipe(obj._dataset, obj._index_sampler, obj._auto_collation, obj._collate_fn,
                       obj._drop_last, isinstance(obj._dataset, IterableDataset),
-                      getattr(obj, "_worker_init_fn", None), context, obj._timeout)
+                      getattr(obj, "_worker_init_fn", None), context)
     return None
 
 
@@ -207,7 +208,7 @@ def _time(r: Recipe, k: int, deadline: float) -> tuple[float, float | None, int]
     try:
         with warnings.catch_warnings():          # torch's "more workers than CPUs": meant
             warnings.simplefilter("ignore")       # (waiting workers need none)
-            it = iter(r.loader(k))
+            it = iter(r.loader(k, timeout=max(1.0, deadline - perf_counter())))
         pids = [w.pid for w in getattr(it, "_workers", []) if w.pid is not None]
         # The batches asked for at the start (prefetch_factor per worker) are made together
         # while the workers start: taken untimed, the timed rounds are the steady ones.
@@ -249,15 +250,14 @@ def _time(r: Recipe, k: int, deadline: float) -> tuple[float, float | None, int]
                 it._shutdown_workers()
 
 
-def sweep(r: Recipe, target_ms: float, cpus: int, start: int = 1,
-          budget_s: float = SWEEP_S) -> Sweep:
-    """Time side loaders of r with 1, 2, 4 ... workers (from the power of two at or below
-    `start`) until one keeps up with a step of `target_ms` (its own time, without the wait), the
-    period stops falling (GAIN), max_workers(cpus) is reached or `budget_s` is spent."""
+def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S) -> Sweep:
+    """Time side loaders of r with 1, 2, 4 ... workers until one keeps up with a step of
+    `target_ms` (its own time, without the wait), the period stops falling (GAIN),
+    max_workers(cpus) is reached or `budget_s` is spent."""
     out = Sweep()
     began = perf_counter()
     deadline = began + budget_s
-    k = 1 << max(0, int(math.log2(max(1, start))))
+    k = 1
     top = max_workers(cpus)
     with _rng_kept(r):
         while True:
