@@ -188,10 +188,11 @@ CHEAPER = ("make batches cheaper: decode at a lower resolution or with a faster 
 
 def _swept(sweep: Sweep, plan: WorkerPlan, target: float,
            loader: bool) -> tuple[int, bool, list[Fix]]:
-    """(workers needed, whether more workers are prescribed, the fixes) from what the sweep measured: the
-    fewest workers whose step is within 5% of the best measured, the step predicted as the
-    slower of their batch period and the step's own time. Workers that compute get at most the
-    CPUs torch's own threads leave (the sweep ran while the loop waited: its CPUs were free)."""
+    """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
+    measured: the fewest workers whose step is within 5% of the best measured, the step
+    predicted as the slower of their batch period and the step's own time. Workers that compute
+    get at most the CPUs torch's own threads leave (the sweep ran while the loop waited: its
+    CPUs were free)."""
     workers, cpus = plan.workers, plan.cpus
     computes = sweep.computes
     share = sweep.cpu_share.get(min(sweep.cpu_share)) if sweep.cpu_share else None
@@ -219,7 +220,8 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float,
     now = (f"num_workers={workers} cannot keep up" if loader and workers else
            "num_workers=0 makes each batch on the training thread" if loader else
            "the iterator makes each batch on the training thread")
-    what = f"num_workers={k}" if loader else f"wrap the dataset in a DataLoader with num_workers={k}"
+    what = (f"num_workers={k}" if loader else
+            f"wrap the dataset in a DataLoader with num_workers={k}")
     cap = (f"; at most the {most} CPUs torch's threads leave, as they compute"
            if computes and most < max(sweep.period_ms) else "")
     text = f"{now}: {what} ({measured}; {need}{cap}; this machine has {cpus} CPUs)"
