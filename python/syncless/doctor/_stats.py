@@ -13,11 +13,11 @@ Why an outlier cannot flip the verdict:
 - From four pairs on, the pair farthest from the median log ratio is also left out, and the
   verdict is taken only where the interval with it and the interval without it agree; otherwise
   the comparison is unclear and more pairs are run (while the time allows).
-- A fix at least MARGIN faster in every pair (three or more) is kept whatever one pair's size
-  does to the interval: that is a sign test made stricter by its size. Under no effect each
-  pair's sign is a coin toss (three of three: 1 in 8), and each of them must also be a swing of
-  30% or more, which the noise of two runs on the same host gives rarely (the loaded 2-core hosts
-  here swung 2-25% between plain runs).
+- A fix that runs at most MARGIN of its baseline in every pair (three or more) is kept whatever
+  one pair's size does to the interval (a win so large in one pair that the others look small
+  beside it): a sign test made stricter by its size. Under no effect each pair's sign is a coin
+  toss (three of three: 1 in 8), and each must also be a 30% swing the same way, with the fix's
+  run first in some pairs and second in others.
 
 Pairs are added one at a time and the verdict is looked at after each (a sequential test): it
 stops as soon as the fix clearly wins, clearly loses or clearly wins less than NEGLIGIBLE. Looking
