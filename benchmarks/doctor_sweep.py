@@ -86,8 +86,13 @@ def prescribed(dataset):
         step(batch)
         if i == 12:
             break
-    [f] = w.findings(w.summary(skip=2))
-    return f.extra["workers_needed"], f.fixes[0].predicted_ms, f.extra["sweep"]
+    m = w.summary(skip=2)
+    found = w.findings(m)
+    if not found:
+        print(f"  no finding: {m}", flush=True)
+        return None, None, None
+    f = found[0]
+    return f.extra["workers_needed"], f.fixes[0].predicted_ms, f.extra.get("sweep")
 
 
 def main(argv=None):
@@ -102,6 +107,10 @@ def main(argv=None):
         for name in rng.sample(list(cases), len(cases)):
             meter = LoadMeter()
             k, predicted, sweep = prescribed(cases[name])
+            if predicted is None or sweep is None:
+                rows[name].append({"workers": None, "predicted_ms": None, "sweep": None,
+                                   "measured_ms": {}, "other_cpus": None})
+                continue
             counts = sorted({0, 2, 4, 8, k or 0})
             steps = {}
             for n in rng.sample(counts, len(counts)):
@@ -114,7 +123,10 @@ def main(argv=None):
                   f"{steps.get(k or 0):.2f} ms/step; sweep {sweep['period_ms']}; all {steps}; "
                   f"load {load.other_cpus if load else float('nan'):.1f}", flush=True)
     table = []
-    for name, rs in rows.items():
+    for name, every in rows.items():
+        rs = [x for x in every if x["sweep"] is not None]
+        if not rs:
+            continue
         err = [(x["predicted_ms"] - x["measured_ms"][x["workers"] or 0])
                / x["measured_ms"][x["workers"] or 0] for x in rs]
         table.append([name, ", ".join(str(x["workers"]) for x in rs),
@@ -131,6 +143,7 @@ def main(argv=None):
     sweeps = "\n".join(f"- {name} round {i}: " + ", ".join(
         f"{k}: {ms:.1f}" for k, ms in x["sweep"]["period_ms"].items()) + " ms/batch, "
         f"{x['sweep']['seconds']:.1f} s, {x['sweep']['ended']}"
+        if x["sweep"] is not None else f"- {name} round {i}: no finding"
         for name, rs in rows.items() for i, x in enumerate(rs))
     data = {"env": env_info(torch.device("cpu"), sys.argv, "benchmarks.doctor_sweep"),
             "quick": ns.quick, "rounds": rounds, "rows": rows}

@@ -214,3 +214,16 @@ def test_a_stuck_dataset_ends_the_sweep_not_the_doctor():
     assert time.perf_counter() - t < 10, "the batch's timeout ends it, with the workers"
     assert s.period_ms == {} and "failed: RuntimeError: DataLoader timed out" in s.ended, s.ended
     assert children() == before
+
+
+def test_workers_that_win_nothing_leave_the_wait_ranked_not_predicted():
+    # Under load one worker made batches no faster than the training thread (117.8 ms against a
+    # 121.9-ms step): no count is prescribed, and the finding still ranks by the wait.
+    from syncless.doctor.findings import starvation_finding
+    s = _sweep.Sweep(period_ms={1: 125.0, 2: 124.0}, cpu_share={1: 0.9, 2: 0.5})
+    f = starvation_finding(118.6, 121.9, None, {"num_workers": 0}, cpus=2, data_cpu=0.9,
+                           sweeper=lambda target: s)
+    assert f.fixes[0].predicted_ms is None and f.extra["workers_needed"] is None
+    assert f.fixes[0].startswith("no worker count the sweep tried beyond num_workers=0 makes "
+                                 "the step faster than its 121.90 ms (measured: "), f.fixes[0]
+    assert f.cost_ms == pytest.approx(118.6), "what removing the wait wins: not minor"

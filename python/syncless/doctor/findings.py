@@ -130,7 +130,7 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
         per += f" (mostly waiting: {data_cpu:.0%} of it on a CPU, so workers need no CPU each)"
     need = f"the step needs one every {target:.2f} ms"
     if sweep is not None and sweep.period_ms:
-        plan.needed, plan.enough, fixes = _swept(sweep, plan, target, bool(loader))
+        plan.needed, plan.enough, fixes = _swept(sweep, plan, target, step_ms, bool(loader))
     elif plan.enough:
         what = (f"num_workers={plan.needed}" if loader else
                 f"wrap the dataset in a DataLoader with num_workers={plan.needed}")
@@ -186,7 +186,7 @@ CHEAPER = ("make batches cheaper: decode at a lower resolution or with a faster 
            "tensors, a memory-mapped array) so that workers only read")
 
 
-def _swept(sweep: Sweep, plan: WorkerPlan, target: float,
+def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
            loader: bool) -> tuple[int, bool, list[Fix]]:
     """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
     measured: the fewest workers whose step is within 5% of the best measured, the step
@@ -213,10 +213,12 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float,
             "workers")]
     predicted = sweep.predicted_ms(k, target)
     keeps = sweep.period_ms[k] <= 1.1 * target      # with 10% to spare: batch times jitter
-    if k <= workers:
+    if k <= workers or predicted >= step_ms:
+        # Ranked by what removing the wait could win (no count is predicted to win it).
         return workers, False, [Fix(
-            f"no worker count beyond num_workers={workers} makes batches faster ({measured}; "
-            f"{need}): {CHEAPER}", None, "workers")]
+            f"no worker count the sweep tried beyond num_workers={workers} makes the step "
+            f"faster than its {step_ms:.2f} ms ({measured}; {need}): {CHEAPER}", None,
+            "workers")]
     now = (f"num_workers={workers} cannot keep up" if loader and workers else
            "num_workers=0 makes each batch on the training thread" if loader else
            "the iterator makes each batch on the training thread")
