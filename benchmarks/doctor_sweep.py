@@ -107,11 +107,7 @@ def main(argv=None):
         for name in rng.sample(list(cases), len(cases)):
             meter = LoadMeter()
             k, predicted, sweep = prescribed(cases[name])
-            if predicted is None or sweep is None:
-                rows[name].append({"workers": None, "predicted_ms": None, "sweep": None,
-                                   "measured_ms": {}, "other_cpus": None})
-                continue
-            counts = sorted({0, 2, 4, 8, k or 0})
+            counts = sorted({0, 1, 2, 4, 8, k or 0})
             steps = {}
             for n in rng.sample(counts, len(counts)):
                 steps[n] = measured(cases[name], n, tiny_step())
@@ -119,22 +115,24 @@ def main(argv=None):
             rows[name].append({"workers": k, "predicted_ms": predicted, "sweep": sweep,
                                "measured_ms": steps, "other_cpus": load.other_cpus
                                if load else None})
-            print(f"round {r} {name}: {k} workers, predicted {predicted:.2f}, measured "
-                  f"{steps.get(k or 0):.2f} ms/step; sweep {sweep['period_ms']}; all {steps}; "
+            print(f"round {r} {name}: {k} workers, predicted {predicted}, measured "
+                  f"{steps.get(k or 0):.2f} ms/step; sweep {sweep and sweep['period_ms']}; "
+                  f"all {steps}; "
                   f"load {load.other_cpus if load else float('nan'):.1f}", flush=True)
     table = []
-    for name, every in rows.items():
-        rs = [x for x in every if x["sweep"] is not None]
-        if not rs:
-            continue
+    for name, rs in rows.items():
+        told = [x for x in rs if x["predicted_ms"] is not None]
         err = [(x["predicted_ms"] - x["measured_ms"][x["workers"] or 0])
-               / x["measured_ms"][x["workers"] or 0] for x in rs]
-        table.append([name, ", ".join(str(x["workers"]) for x in rs),
-                      f"{summarize(x['predicted_ms'] for x in rs)['median']:.2f}",
-                      f"{summarize(x['measured_ms'][x['workers'] or 0] for x in rs)['median']:.2f}",
-                      f"{statistics.median(err):+.0%} ({min(err):+.0%} to {max(err):+.0%})",
+               / x["measured_ms"][x["workers"] or 0] for x in told]
+        table.append([name, ", ".join(str(x["workers"] or "none") for x in rs),
+                      f"{summarize(x['predicted_ms'] for x in told)['median']:.2f}"
+                      if told else "-",
+                      f"{summarize(x['measured_ms'][x['workers']] for x in told)['median']:.2f}"
+                      if told else "-",
+                      f"{statistics.median(err):+.0%} ({min(err):+.0%} to {max(err):+.0%})"
+                      if err else "-",
                       ", ".join(f"{n}: {summarize(x['measured_ms'][n] for x in rs)['median']:.1f}"
-                                for n in (0, 2, 4, 8)),
+                                for n in (0, 1, 2, 4, 8)),
                       f"{summarize(x['other_cpus'] for x in rs)['median']:.1f}"])
     text = md_table(["loader", "workers prescribed (per round)", "predicted ms/step (median)",
                      "measured ms/step with them (median)", "prediction error (median, range)",
@@ -143,6 +141,7 @@ def main(argv=None):
     sweeps = "\n".join(f"- {name} round {i}: " + ", ".join(
         f"{k}: {ms:.1f}" for k, ms in x["sweep"]["period_ms"].items()) + " ms/batch, "
         f"{x['sweep']['seconds']:.1f} s, {x['sweep']['ended']}"
+        + (f"; prescribed {x['workers']}" if x["workers"] else "; no count prescribed")
         if x["sweep"] is not None else f"- {name} round {i}: no finding"
         for name, rs in rows.items() for i, x in enumerate(rs))
     data = {"env": env_info(torch.device("cpu"), sys.argv, "benchmarks.doctor_sweep"),
