@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ._loader import batch_spec, loader_settings
 from ._series import Series, split
+from ._sweep import Recipe, recipe
 from .monitor import MonitorSummary, StepMonitor
 
 
@@ -57,6 +58,7 @@ class LoaderRecord:
     data_cpu_s: float = 0.0          # ... and that CPU time
     spec: Any = None                 # its first monitored batch's shapes (batch_spec), or None
     specced: bool = False
+    recipe: Recipe | None = None     # how to make side loaders like it (the worker sweep)
 
     @property
     def name(self) -> str:
@@ -121,7 +123,8 @@ class Feed:
         rec = self.loaders.get(id(dataset))
         if rec is None:
             rec = self.loaders[id(dataset)] = LoaderRecord(dataset,
-                                                           settings=loader_settings(iterator))
+                                                           settings=loader_settings(iterator),
+                                                           recipe=recipe(iterator))
         rec.calls += 1
         rec.wait_s += seconds
         self._last = rec
@@ -133,6 +136,11 @@ class Feed:
         rec = self._last
         if rec is not None and not rec.specced:
             rec.spec, rec.specced = batch_spec(batch), True
+
+    def feeding_recipe(self) -> Recipe | None:
+        """How to make side loaders like the one that feeds the steps (the most next() calls)."""
+        recs = sorted(self.loaders.values(), key=lambda r: -r.calls)
+        return recs[0].recipe if recs else None
 
     def handoff_spec(self) -> Any:
         """The shapes of a batch of the loader that feeds the steps (the most next() calls)."""

@@ -14,6 +14,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from ._boundary import LOADER, MODULE, Boundaries
 from ._feed import Feed, StepContext, split_steps
+from ._load import LoadMeter
 from ._loader import timed_dataloaders
 from ._phases import (AuditPhase, Monitor, Phase, Plain, Probe, Trace, WarmUp, cuda)
 from ._sampler import StackSampler
@@ -46,6 +47,7 @@ class ScriptSession:
         self.finished = False                    # every phase ran: the script is being stopped
         self.ended = "ended"                     # how the script ended, for the report's notes
         self.feed = Feed(self)
+        self.load: LoadMeter | None = None       # started with the run
         self._reset()
 
     def _reset(self) -> None:
@@ -87,6 +89,7 @@ class ScriptSession:
         pre = register_optimizer_step_pre_hook(lambda *a: self.watching.optimizer_begins(*a))
         post = register_optimizer_step_post_hook(lambda *a: self.watching.optimizer_ends(*a))
         self.bounds.install()
+        self.load = LoadMeter()                  # other processes' load, until the report
         try:
             self._enter(self._after(None))
             self._t_out = perf_counter()

@@ -8,6 +8,7 @@ from ._boundary import ANY_OPTIMIZER, BACKWARD, MARKER, MODULE, OPTIMIZER, STEP_
 from ._frames import short
 from ._loader import handoff_ms
 from ._series import Series, Stalls
+from ._sweep import sweeper
 from ._session import PHASES, ScriptSession
 from .diagnose import Diagnosis, Measured, assess, launch_cost_us
 from .findings import in_framework_words
@@ -41,7 +42,10 @@ def diagnosis(s: ScriptSession, boundary: str | None = None) -> Diagnosis:
         launch_us=launch_cost_us() if gpu else None, sampler=s.sampler,
         boundary=boundary if boundary is not None else boundary_text(s),
         optimizer_ms=opt_s * 1e3 / monitored if opt_s else None,
-        model=s.bounds.model, autocast=s.bounds.autocast, handoff_ms=handoff))
+        model=s.bounds.model, autocast=s.bounds.autocast, handoff_ms=handoff,
+        sweeper=sweeper(s.feed.feeding_recipe())))
+    # Over the run and the loader sweep: whether other processes competed for the CPUs.
+    d.load = s.load.read() if s.load is not None else None
     if s.tracing.traced:
         d.trace = s.trace
     if d.summary.steps:                      # every monitored step, stalls or not

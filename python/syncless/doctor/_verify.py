@@ -27,8 +27,10 @@ enable_progress_bar=False) and syncless's drop-in. Each is measured; the finding
 the setting's result and `dropin_verified` the drop-in's (`verified` the drop-in's when the sync has
 no setting with one value to apply).
 
-Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike); the
-fix is kept only when the 95% interval of its paired difference lies below zero. The worker count
+Runs are paired and interleaved (A B, B A, A B ...: drifts of the host hit both sides alike) and
+compared on the log of their ratio (_stats.py says why, and how one outlier run is kept from
+flipping the verdict); pairs are added while the comparison is unclear, and the fix is kept when
+it wins. The worker count
 comes from a sweep: each candidate count timed once, the fastest then verified in pairs."""
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import _stats
 from ._frameworks import DROPINS, applied_label
 from ._forkserver import Runner
 from ._isolate import TRACKERS_OFF
@@ -327,24 +330,38 @@ class Verifier:
                 return None, True
 
     def paired(self, settings: dict[str, Any],
-               base: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """`pairs` interleaved pairs (A B, B A, ...) of the baseline and `settings`: the step with
-        the fix, the 95% interval of the difference added to the baseline's mean, kept when the
-        whole interval is a gain."""
+               base: dict[str, Any] | None = None,
+               more_s: float | None = None) -> dict[str, Any] | None:
+        """Interleaved pairs (A B, B A, ...) of the baseline and `settings`, compared on the log
+        of their ratio (_stats.compare): `pairs` of them, then one more while the comparison is
+        unclear, up to MAX_PAIRS pairs and `more_s` seconds more (default: the time the first
+        `pairs` took)."""
         base = base or {}
         a_ms: list[float] = []
         b_ms: list[float] = []
-        for i in range(self.pairs):
+        started, first_s = perf_counter(), None
+        while True:
+            i = len(a_ms)
             order = [(base, a_ms), (settings, b_ms)]
             for s, into in (order if i % 2 == 0 else order[::-1]):
                 ms = self.measure(s)
                 if ms is None:
                     return None
                 into.append(ms)
-        mean, low, high = ci95([b - a for a, b in zip(a_ms, b_ms)])
-        a = statistics.fmean(a_ms)
-        return {"measured_ms": a + mean, "ci_low_ms": a + low, "ci_high_ms": a + high,
-                "baseline_ms": a, "kept": high < 0, "runs": {"without": a_ms, "with": b_ms}}
+            spent = perf_counter() - started
+            if i + 1 == self.pairs:
+                first_s = spent
+            if i + 1 < self.pairs:
+                continue
+            c = _stats.compare(a_ms, b_ms)
+            assert first_s is not None
+            more = spent * (i + 2) / (i + 1) - first_s <= (first_s if more_s is None else more_s)
+            if c.decided or i + 1 >= max(self.pairs, _stats.MAX_PAIRS) or not more:
+                break
+        return {"measured_ms": c.fix_ms, "baseline_ms": c.baseline_ms,
+                "ci_low_ms": c.baseline_ms * c.low, "ci_high_ms": c.baseline_ms * c.high,
+                "kept": c.kept, "win": c.text(), **c.as_dict(),
+                "runs": {"without": a_ms, "with": b_ms}}
 
     def sweep_workers(self, candidates: list[int], extra: dict[str, Any],
                       framework: str = "") -> tuple[int | None, dict[int, float]]:
@@ -356,6 +373,10 @@ class Verifier:
                 seen[k] = ms
         best = min(seen, key=lambda k: seen[k]) if seen else None
         return best, seen
+
+
+_NOT_KEPT = {"loss": "it loses", "no win": "the interval rules out a win of 3% or more",
+             "unclear": "the interval does not say it wins"}
 
 
 def loader_fix(workers: int, extra: dict[str, Any],
@@ -464,10 +485,12 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             continue
         predicted = finding.predicted_ms if finding is not None else None
         lines.append(
-            f"{label}: {result['baseline_ms']:.2f} -> {result['measured_ms']:.2f} ms/step "
-            f"[95%: {result['ci_low_ms']:.2f}, {result['ci_high_ms']:.2f}]"
+            f"{label}: {result['baseline_ms']:.2f} -> {result['measured_ms']:.2f} ms/step, "
+            + (f"{result['win']} over {result['pairs']} pairs" if "win" in result else
+               f"[95%: {result['ci_low_ms']:.2f}, {result['ci_high_ms']:.2f}]")
             + (f", predicted {predicted:.2f}" if predicted is not None else "")
-            + (": kept" if result["kept"] else ": not kept (the interval does not say it wins)")
+            + (": kept" if result["kept"] else
+               f": not kept ({_NOT_KEPT.get(result.get('verdict', ''), _NOT_KEPT['unclear'])})")
             + (f"; sweep {sweep}" if finding is not None and finding.kind == "starvation"
                else ""))
     checked = {id(f) for f, _, _, _ in fixes}

@@ -104,10 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure each fix that is a setting (loader workers by a sweep, "
                         "torch.compile, TF32; an HF Trainer's as TrainingArguments) in fresh "
                         "paired runs of the script, and keep it "
-                        "only if its 95%% interval wins (default: on when those runs are "
+                        "only if its 95%% interval on the step-time ratio wins (default: on when those runs are "
                         f"estimated to take under {VERIFY_BUDGET_S:.0f} s)")
     p.add_argument("--verify-pairs", type=_count(2), default=3, metavar="N",
-                   help="paired runs (with and without the fix) per fix (default 3)")
+                   help="paired runs (with and without the fix) per fix before the comparison "
+                        "decides (default 3; more while it is unclear, up to 8)")
     p.add_argument("--measure", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--apply", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("script", help="the training script, run as __main__")

@@ -11,12 +11,14 @@ import statistics
 import warnings
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ._sampler import Line, StackSampler
+from ._load import Load
 from ._series import Stalls
+from ._sweep import Sweep
 from .audit import ASYNC_COPY, COPY, SYNC, Audit
 from .findings import (LEADS, Finding, is_minor, launch_finding, starvation_finding,
                        sync_findings)
@@ -49,6 +51,7 @@ class Diagnosis:
     kernels: float | None = None
     launch_us: float | None = None     # host cost of one small op's launch, measured here
     handoff_ms: float | None = None    # taking one ready batch from a worker, measured here
+    load: Load | None = None           # other processes' load on the CPUs over the run
     cpu_split: dict[str, float] = field(default_factory=dict)
     probe_steps: int = 0
     boundary: str = ""
@@ -132,6 +135,7 @@ class Diagnosis:
             "trace": dict(vars(self.kernel_time)) if self.kernel_time else None,
             "kernels": self.kernels, "launch_us": self.launch_us, "cpu_split": self.cpu_split,
             "handoff_ms": self.handoff_ms,
+            "load": self.load.as_dict() if self.load else None,
             "top_predicted_ms": top.predicted_ms if top else None,
             "findings": [f.as_dict() for f in self.findings],
             "minor": [f.as_dict() for f in self.minor], "settings": self.settings,
@@ -460,6 +464,7 @@ class Measured:
     model: Any = None                       # the outermost module called
     autocast: bool | None = None            # autocast on at its call
     handoff_ms: float | None = None         # taking one ready batch from a worker (measured)
+    sweeper: Callable[[float], Sweep | None] | None = None   # the loader's workers, measured
 
     @property
     def cupti(self) -> bool:
@@ -637,7 +642,7 @@ def _rank(d: Diagnosis, m: Measured, every_step: bool, optimizers: list[Any],
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=m.gpu, copy_ms=copy_ms,
                            data_cpu=summary.data_cpu, host_ms=d.host_ms,
                            trainer_cpus=1 if m.gpu else torch.get_num_threads(),
-                           handoff_ms=m.handoff_ms)
+                           handoff_ms=m.handoff_ms, sweeper=m.sweeper)
     if f:
         findings.append(f)
     elif m.handoff_ms is not None and 0.05 <= summary.data_ms <= m.handoff_ms:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ._frames import stdlib
 from ._frameworks import FrameworkFix, framework_fix
-from ._loader import plan_workers
+from ._loader import WorkerPlan, plan_workers
+from ._sweep import Sweep, max_workers
 from .audit import ASYNC_COPY, SyncSite
 
 __all__ = ["Fix", "Finding", "after", "starvation_finding", "sync_findings", "launch_finding",
@@ -97,12 +98,17 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                        *, cuda: bool = False, copy_ms: float = 0.0,
                        cpus: int | None = None, data_cpu: float | None = None,
                        host_ms: float | None = None, trainer_cpus: int = 1,
-                       handoff_ms: float | None = None) -> Finding | None:
+                       handoff_ms: float | None = None,
+                       sweeper: Callable[[float], Sweep | None] | None = None
+                       ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step); `handoff_ms`: what taking a
     ready batch from a worker costs the training thread (measured; None: not measured, taken
-    as 0), which the step still waits with workers that keep up."""
+    as 0), which the step still waits with workers that keep up. `sweeper(target_ms)`: side
+    loaders of the loader's own dataset timed with k workers until one keeps up with a step of
+    target_ms (_sweep.py); where it measured, the worker count and the step it predicts come from
+    it, not from the model. It runs only where the wait is worth a finding (MINOR_SHARE)."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
@@ -116,13 +122,16 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     # `trainer_cpus`: the CPUs the training process keeps busy itself: one for a GPU loop's
     # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
-    fixes = []
+    sweep = sweeper(target) if sweeper is not None and wins >= MINOR_SHARE * step_ms else None
+    fixes: list[Fix] = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
     if not plan.computes:
         per += f" (mostly waiting: {data_cpu:.0%} of it on a CPU, so workers need no CPU each)"
     need = f"the step needs one every {target:.2f} ms"
-    if plan.enough:
+    if sweep is not None and sweep.period_ms:
+        plan.needed, plan.enough, fixes = _swept(sweep, plan, target, step_ms, bool(loader))
+    elif plan.enough:
         what = (f"num_workers={plan.needed}" if loader else
                 f"wrap the dataset in a DataLoader with num_workers={plan.needed}")
         now = (f"num_workers={workers} cannot keep up" if loader and workers else
@@ -167,7 +176,63 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                 + handed,
                 fixes, extra={"workers_needed": plan.needed if plan.enough else None,
                               "per_worker_batch_ms": plan.per_batch_ms})
+    if sweep is not None:
+        f.extra["sweep"] = sweep.as_dict()
     return f
+
+
+CHEAPER = ("make batches cheaper: decode at a lower resolution or with a faster decoder, augment "
+           "on the GPU (on the batch after .to(device)), or store preprocessed samples (uint8 "
+           "tensors, a memory-mapped array) so that workers only read")
+
+
+def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
+           loader: bool) -> tuple[int, bool, list[Fix]]:
+    """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
+    measured: the fewest workers whose step is within 5% of the best measured, the step
+    predicted as the slower of their batch period and the step's own time. Workers that compute
+    get at most the CPUs torch's own threads leave (the sweep ran while the loop waited: its
+    CPUs were free)."""
+    workers, cpus = plan.workers, plan.cpus
+    computes = sweep.computes
+    share = sweep.cpu_share.get(min(sweep.cpu_share)) if sweep.cpu_share else None
+    busy = f"{share:.0%} of their time on a CPU" if share is not None else "CPU time unread"
+    plan.computes = computes
+    most = max(0, cpus - plan.trainer_cpus) if computes else max_workers(cpus)
+    plan.most = most
+    measured = (f"measured: side loaders of this loader's dataset, sampler and collate made a "
+                f"batch every {sweep.text()}; the workers {'compute' if computes else 'wait'} "
+                f"({busy})")
+    need = f"the step needs one every {target:.2f} ms"
+    k = sweep.choose(target, most)
+    if k is None:
+        return 0, False, [Fix(
+            f"no CPU is free for a worker: the workers compute ({busy}), and torch's own threads "
+            f"use {plan.trainer_cpus} of this machine's {cpus} CPUs (torch.get_num_threads()), so "
+            f"a worker would take its CPU from the step ({measured}); {CHEAPER}", None,
+            "workers")]
+    predicted = sweep.predicted_ms(k, target)
+    keeps = sweep.period_ms[k] <= 1.1 * target      # with 10% to spare: batch times jitter
+    if k <= workers or predicted >= step_ms:
+        # Ranked by what removing the wait could win (no count is predicted to win it).
+        return workers, False, [Fix(
+            f"no worker count the sweep tried beyond num_workers={workers} makes the step "
+            f"faster than its {step_ms:.2f} ms ({measured}; {need}): {CHEAPER}", None,
+            "workers")]
+    now = (f"num_workers={workers} cannot keep up" if loader and workers else
+           "num_workers=0 makes each batch on the training thread" if loader else
+           "the iterator makes each batch on the training thread")
+    what = (f"num_workers={k}" if loader else
+            f"wrap the dataset in a DataLoader with num_workers={k}")
+    cap = (f"; at most the {most} CPUs torch's threads leave, as they compute"
+           if computes and most < max(sweep.period_ms) else "")
+    text = f"{now}: {what} ({measured}; {need}{cap}; this machine has {cpus} CPUs)"
+    if not keeps and computes:
+        text += f"; the loader is still the slower side with {k}: {CHEAPER}"
+    elif not keeps:
+        text += (f"; the loader is still the slower side with {k} (the sweep {sweep.ended}): "
+                 "more workers may go further, or faster storage")
+    return k, True, [Fix(text, predicted, "workers")]
 
 
 # ---- syncs -----------------------------------------------------------------------------------

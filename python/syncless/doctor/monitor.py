@@ -30,12 +30,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Collection, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import torch
 
 from ._gpuclock import GpuClock, gpu_clock
 from ._loader import loader_settings
+from ._sweep import Sweep, recipe, sweeper
 from .findings import Finding, is_minor, starvation_finding
 from .report import ReportText, render_watch, watch_html
 
@@ -64,11 +65,13 @@ class MonitorSummary:
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
-    def findings(self) -> list[Finding]:
+    def findings(self, sweeper: Callable[[float], Sweep | None] | None = None
+                 ) -> list[Finding]:
         """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
-        a step can get no faster than its GPU work)."""
+        a step can get no faster than its GPU work); `sweeper`: the loader's workers measured
+        (findings.starvation_finding)."""
         f = starvation_finding(self.data_ms, self.step_ms, self.gpu_ms, self.loader,
-                               cuda=self.gpu_ms is not None)
+                               cuda=self.gpu_ms is not None, sweeper=sweeper)
         return [f] if f and not is_minor(f, self.step_ms) else []
 
 
@@ -343,6 +346,7 @@ class Watch:
                  **kw: Any):
         self.iterable = iterable
         self.monitor = monitor or StepMonitor(log=log, loader=iterable, **kw)
+        self._sweeper: Callable[[float], Sweep | None] | None = None
 
     def __len__(self) -> int:
         # An iterable without len() raises TypeError here, as len() of it would.
@@ -370,8 +374,17 @@ class Watch:
     def summary(self, skip: int = 0) -> MonitorSummary:
         return self.monitor.summary(skip)
 
+    def findings(self, m: MonitorSummary) -> list[Finding]:
+        """The findings of summary `m`. Where the loader starves the step, the worker count is
+        measured: side loaders of the DataLoader's own dataset, sampler and collate, with 1, 2,
+        4 ... workers (seconds, once per Watch: later reports reuse it; _sweep.py)."""
+        if self._sweeper is None:
+            self._sweeper = sweeper(recipe(self.iterable))
+        return m.findings(self._sweeper)
+
     def report(self) -> ReportText:
-        """What the monitor measured so far and the loader fix it implies (no GPU wait)."""
+        """What the monitor measured so far and the loader fix it implies (no GPU wait; the
+        first report that finds the loader starving the step measures its workers first)."""
         return ReportText(render_watch(self))
 
     __str__ = report

@@ -100,7 +100,15 @@ def render_doctor(d: Any) -> str:
         lines.append("")
         lines += [f"note: {n}" for n in d.notes] or ["note: no step was measured"]
         return "\n".join(lines)
-    lines += ["", f"verdict: {d.verdict}"]
+    load = getattr(d, "load", None)
+    loaded = load is not None and load.loaded
+    if load is not None and loaded:
+        starved = d.finding("starvation")
+        lines.append(f"load: {load.text()}: every time below was measured under that load, and "
+                     "may differ without it" + (
+                         "; the loader's worker count comes from its measured sweep"
+                         if starved is not None and "sweep" in starved.extra else ""))
+    lines += ["", f"verdict: {d.verdict}" + (" (measured under load)" if loaded else "")]
     if d.headroom:
         lines.append(f"headroom: {d.headroom}")
     plain = getattr(d, "plain_step_ms", None)
@@ -228,7 +236,7 @@ def render_watch(w: Any) -> str:
         c = m.gpu_clock
         lines.append(f"GPU clock (the logger's rows, {c.steps} steps): {c.pace_ms:.3f} ms/step; "
                      f"{c.verdict()}")
-    findings = m.findings()
+    findings = w.findings(m)
     if findings:
         for f in findings:
             lines.append(f"{f.title}: wins back {f.cost_ms:.3f} ms/step; {f.detail}")

@@ -1,0 +1,96 @@
+"""Load honesty: the doctor measures whether other processes compete for its CPUs during the run
+(/proc/stat less this process tree's own CPU time) and says so above the findings."""
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from syncless.doctor._load import Load, LoadMeter, tree_cpu_s
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUSY = "import time\nt = time.time()\nwhile time.time() - t < {s}: pass\n"
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
+
+
+def test_the_process_trees_own_cpu_time_is_not_load():
+    # A child that computes is this process's own work (a DataLoader worker, a side loader):
+    # its CPU time counts to the tree, whether it is still running or reaped.
+    before = tree_cpu_s()
+    self_before = resource.getrusage(resource.RUSAGE_SELF)
+    kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = subprocess.Popen([sys.executable, "-c", BUSY.format(s=0.5)])
+    time.sleep(0.3)
+    live = tree_cpu_s()
+    child.wait()
+    after = tree_cpu_s()
+    self_after = resource.getrusage(resource.RUSAGE_SELF)
+    kids_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def cpu(a, b):
+        return (b.ru_utime - a.ru_utime) + (b.ru_stime - a.ru_stime)
+    expected = cpu(self_before, self_after) + cpu(kids_before, kids_after)
+    # /proc counts in clock ticks (10 ms), getrusage in microseconds.
+    assert abs((after - before) - expected) <= 0.05, (after - before, expected)
+    assert before <= live <= after, "a live child counts before it is reaped"
+
+
+def test_a_busy_process_outside_the_tree_is_load():
+    meter = LoadMeter()
+    # Not our child: started through a shell that exits at once (it goes to init).
+    subprocess.run(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=1.0)}' &"], check=True)
+    time.sleep(1.0)
+    load = meter.read()
+    assert load is not None and load.cpus == len(os.sched_getaffinity(0))
+    # The busy loop ran for the whole second: a CPU (less what the host's other load took
+    # from it), and nothing of it was this process's own.
+    assert load.own_cpus < 0.2, load
+    assert load.other_cpus >= 0.5 and load.loaded, load
+
+
+def test_the_load_line_and_the_json():
+    load = Load(wall_s=12.0, cpus=2, own_cpus=0.9, other_cpus=1.1)
+    assert load.loaded and load.as_dict()["other_cpus"] == 1.1
+    assert load.text() == ("other processes kept 1.1 of the 2 CPUs this process may use busy "
+                           "during the run (12 s; this process and its children 0.9: /proc/stat "
+                           "less their own CPU time)")
+    assert not Load(12.0, 2, 1.0, 0.3).loaded, "less than half a CPU: not loaded"
+    assert not Load(12.0, 16, 1.0, 3.9).loaded and Load(12.0, 16, 1.0, 4.0).loaded
+
+
+SCRIPT = """
+    import torch
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    for _ in range(100000):
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_the_report_says_the_run_was_measured_under_load(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    # A busy loop beside the doctor, for all of its run: a sibling process, not the doctor's.
+    busy = subprocess.Popen([sys.executable, "-c", BUSY.format(s=120)])
+    try:
+        r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--quick", "--no-verify",
+                            "--json", "d.json", "train.py"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path, env=env)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["load"]["loaded"] is True and d["load"]["other_cpus"] >= 0.5, d["load"]
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("load: other processes kept"))
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("verdict"))
+    assert at < verdict and lines[verdict].endswith(" (measured under load)"), r.stdout
+    assert "every time below was measured under that load" in lines[at]
