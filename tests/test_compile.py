@@ -481,17 +481,17 @@ def test_a_flush_in_a_compiled_step_reads_no_device_value_and_allocates_no_pinne
                 called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
                 if called in _HOST_READS:
                     calls.setdefault(name, []).append(ast.unparse(node))
-    assert calls == {"Handover.send_window": ["Window(gen.device, gen.nbytes)"]}
+    assert calls == {"Handover.send_window": ["Window(ring.device, ring.nbytes)"]}
     fallback = [node for node in ast.walk(path["Handover.send_window"])
                 if isinstance(node, ast.If) and ast.unparse(node.test) == "w is None"]
-    assert [ast.unparse(n) for n in fallback[0].body] == ["w = Window(gen.device, gen.nbytes)"]
+    assert [ast.unparse(n) for n in fallback[0].body] == ["w = Window(ring.device, ring.nbytes)"]
     # The windows are made with each ring (the first CUDA log() and a wider ring)
     for made in (logger_mod.Logger._bind, logger_mod.Logger._grow):
         tree = ast.parse(textwrap.dedent(inspect.getsource(made)))
         assert any(ast.unparse(n.func) == "self._handover.reserve" for n in ast.walk(tree)
                    if isinstance(n, ast.Call)), made.__name__
     reserve = ast.parse(textwrap.dedent(inspect.getsource(_handover.Handover.reserve)))
-    assert "Window(gen.device, gen.nbytes)" in {ast.unparse(n) for n in ast.walk(reserve)}
+    assert "Window(ring.device, ring.nbytes)" in {ast.unparse(n) for n in ast.walk(reserve)}
 
 
 class _SlowSink(Collect):

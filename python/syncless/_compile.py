@@ -70,6 +70,8 @@ from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
+from ._ring import DeviceRing
+
 __all__ = ["tracing", "track", "log", "timer_new"]
 
 # The check on the eager hot path: a Python function returning False (tens of ns), which Dynamo
@@ -172,10 +174,10 @@ def _site(logger_id: int, names: tuple[str, ...], devices: tuple[Any, ...]) -> i
     # The token lives with the values; a call of numbers only, with the logger (a CPU token in
     # a CUDA graph would make cudagraph trees skip the graph).
     device = cuda[0] if cuda else "cpu" if host_tensors else str(logger.device)
-    if cuda and logger._ring is None and not logger.closed:
+    if cuda:
         # Allocate the ring now, as eager code would at its first CUDA log(): the first run of
         # a reduce-overhead graph (its warm-up) allocates from the CUDA graphs' private pool.
-        logger._bind(torch.device(device).index)
+        logger.device_ring(torch.device(device).index)
     key = (logger_id, names, devices)
     index = _keys.get(key)
     if index is not None and _sites[index].logger() is logger:
@@ -207,10 +209,11 @@ def _run(index: int, values: list[torch.Tensor], numbers: list[float],
     if not site.ran:
         site.ran = True
         _ran.setdefault(logger, set()).add(site.names)
-    ring = logger._ring
-    if ring is not None and (step is not None or site.host_tensors) and ring.capturing():
-        raise RuntimeError(_CAPTURED_STEP if step is not None
-                           else _CAPTURED_HOST.format(names=site.names))
+    if step is not None or site.host_tensors:
+        bound: DeviceRing | None = logger.device_ring()
+        if bound is not None and bound.ring.capturing():
+            raise RuntimeError(_CAPTURED_STEP if step is not None
+                               else _CAPTURED_HOST.format(names=site.names))
     tensors, floats = iter(values), iter(numbers)
     # A number is a constant of the graph: the gather takes it as an immediate (no kernel).
     logger.log({name: next(floats) if number else next(tensors)

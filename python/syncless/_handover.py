@@ -10,7 +10,7 @@ keep the two sides' counts, and the driver that runs the `Delivery`:
                      (an event query, never a wait), so no second thread takes the GIL
 
 The Logger talks to it through send_window, send_rows, attach, drain, stop and close (and
-refuse_on_thread, forget); a new driver is a subclass with _submit, _wait_room, _deliver,
+refuse_on_thread, forget, stats); the jobs are _delivery's typed records. A new driver is a subclass with _submit, _wait_room, _deliver,
 attach, drain, stop, refuse_on_thread.
 
 Interrupts. Nothing here blocks a signal or changes a handler (a thread inherits its creator's
@@ -19,7 +19,7 @@ a preemption handler that flushes or closes) on the main thread at a function's 
 call returns and at a loop's jump back, never inside a run of plain assignments. So a hand-over
 submits first and then counts, in one such run, and a hand-over submitted twice (an interrupt
 between the two, or a handler's flush() inside the first) delivers its rows once: a window's
-decode starts at its generation's next sequence number, host rows are taken by list and count
+decode starts at the delivery's read position in its ring, host rows are taken by list and count
 (_delivery). The waits before a hand-over change nothing, so an interrupt there loses nothing.
 """
 from __future__ import annotations
@@ -30,30 +30,38 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable, NamedTuple, Union
 
-import torch
-
-from ._delivery import Delivery, Job
+from ._delivery import Delivery, Job, LateJob, ReducedJob, RowsJob, WindowJob
 from ._late import Late
+from ._ring import DeviceRing, Window
 from ._signals import start
-from ._torch import _C
 from .rows import Row
 
-__all__ = ["Handover", "ThreadHandover", "CallerHandover", "Pool", "Window"]
+__all__ = ["Handover", "HandoverStats", "ThreadHandover", "CallerHandover", "Pool", "Window"]
 
 _log = logging.getLogger("syncless")
 
 
-class Window:
-    """Pinned host memory one copy of a device ring lands in."""
-    __slots__ = ("pinned", "win", "nbytes")
+class HandoverStats(NamedTuple):
+    """The training thread's counts, for Logger.stats."""
+    windows: int                         # hand-overs made
+    waits: int                           # times a hand-over waited for a free window
 
-    def __init__(self, device: int, nbytes: int):
-        # Pinned memory: an async copy into pageable memory would block the caller.
-        self.pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.win = _C.Window(device, self.pinned.data_ptr(), nbytes)
-        self.nbytes = nbytes
+
+class _Marker(NamedTuple):
+    """ThreadHandover's drain: the thread delivers held rows and late values up to `upto`,
+    then releases `done`."""
+    done: threading.Lock
+    upto: float
+
+
+class _Stop(NamedTuple):
+    """ThreadHandover's stop: the thread delivers what is left, ends, and releases `done`."""
+    done: threading.Lock
+
+
+_Queued = Union[Job, _Marker, _Stop]
 
 
 class Pool:
@@ -146,24 +154,25 @@ class Handover:
 
     # ---- the Logger's calls ------------------------------------------------------------------
 
-    def reserve(self, gen: Any) -> None:
-        """Allocate the pool's pinned windows for the device ring `gen` now, when the ring is
+    def reserve(self, ring: DeviceRing) -> None:
+        """Allocate the pool's pinned windows for the device ring `ring` now, when the ring is
         made (the first CUDA log(), or a wider ring), so no hand-over allocates one: a
         page-locked allocation (cudaHostAlloc) is an implicit synchronisation, and a flush that
         found every window still out (a max_delay flush soon after a full one) made it in the
         middle of a run. Not under capture: the hand-over then allocates, as a fallback."""
-        if gen.ring.capturing():
+        if ring.ring.capturing():
             return
         pool = self.pool
         with pool.lock:                      # a narrower ring's windows go (one assignment)
-            pool.free = [w for w in pool.free if w.nbytes >= gen.nbytes]
+            pool.free = [w for w in pool.free if w.nbytes >= ring.nbytes]
             missing = pool.limit - len(pool.free)
-        made = [Window(gen.device, gen.nbytes) for _ in range(missing)]
+        made = [Window(ring.device, ring.nbytes) for _ in range(missing)]
         with pool.lock:
             pool.free.extend(made)
 
-    def send_window(self, gen: Any, calls: int, before_copy: Callable[[], None] | None) -> None:
-        """Copy the device ring `gen` (logger._Generation; on the current device and stream)
+    def send_window(self, ring: DeviceRing, calls: int,
+                    before_copy: Callable[[], None] | None) -> None:
+        """Copy the device ring `ring` (on the current device and stream)
         into a pinned window and hand it over: one async copy and one event, never a wait on
         the GPU, only for a free window (backpressure). `calls`: the logger's call count, all
         of whose rows the copy holds; before_copy is enqueued first (a reduction)."""
@@ -171,15 +180,15 @@ class Handover:
         self._deliver()                      # delivery="caller": windows landed come back
         if self._copying is not None or self._parked:
             self._park()
-        w = self.pool.reuse(gen.nbytes)
+        w = self.pool.reuse(ring.nbytes)
         if w is None:                        # after an interrupt parked one, or see reserve()
-            w = Window(gen.device, gen.nbytes)
+            w = Window(ring.device, ring.nbytes)
         self._copying = w
         if before_copy is not None:          # enqueued before the copy, same stream
             before_copy()
-        gen.ring.copy_to(w.win)
+        ring.ring.copy_to(w.win)
         ticket = self.pool.taken + 1
-        self._submit(("window", gen, w, time.time(), ticket))
+        self._submit(WindowJob(ring, w, time.time(), ticket))
         self.sent_calls = calls              # the counts: plain assignments (see above)
         self.windows += 1
         self.pool.taken = ticket
@@ -191,16 +200,25 @@ class Handover:
         n = len(rows)
         self._wait_room()                    # may wait; an interrupt here loses nothing
         ticket = self.pool.taken + 1
-        self._submit(("rows", rows, n, out, ticket))
+        self._submit(RowsJob(rows, n, out, ticket))
         self.sent_calls = calls              # the counts: plain assignments (see above)
         self.windows += 1
         self.pool.taken = ticket
         self._deliver()                      # delivery="caller": host rows need no copy
 
-    def submit_reduced(self, job: Job) -> None:
+    def submit_reduced(self, rows: list[Row]) -> None:
         """From the cross-rank exchange's thread (_ranks): rows reduced across ranks, delivered
         like host rows (no ticket: they hold no window)."""
-        self._submit(job)
+        self._submit(ReducedJob(rows))
+
+    def stats(self) -> HandoverStats:
+        """The counts for Logger.stats, read whole."""
+        return HandoverStats(self.windows, self.pool.waits)
+
+    @property
+    def deadline(self) -> float | None:
+        """close()'s deadline (time.monotonic), once start_closing() set one."""
+        return self.delivery.late.deadline
 
     def start_closing(self, timeout: float | None) -> None:
         """close() begins: from here on late values and copies are waited for `timeout`
@@ -246,14 +264,23 @@ class Handover:
         """Run a job on the delivery; once it is committed, its window and ticket come back.
         epoch: the delivery's commit count when the job was found due (see Delivery.run)."""
         try:
-            self.delivery.run(job, blocking, epoch)
-        finally:
-            if self.delivery.ran is job:
-                if job[0] == "window":
-                    gen, w = job[1], job[2]
-                    self.pool.give(w if gen.current else None, job[4])
-                else:
-                    self.pool.give(None, job[4])
+            committed = self.delivery.run(job, blocking, epoch)
+        except BaseException:
+            # An interrupt out of the sinks' calls that follow a commit: the job is done.
+            if self.delivery.committed(job):
+                self._give(job)
+            raise
+        if committed:
+            self._give(job)
+
+    def _give(self, job: Job) -> None:
+        """A committed job's window (unless a wider ring replaced its ring) and ticket."""
+        if isinstance(job, WindowJob):
+            self.pool.give(job.window if job.ring.current else None, job.ticket)
+        elif isinstance(job, RowsJob):
+            self.pool.give(None, job.ticket)
+        elif isinstance(job, ReducedJob):
+            self.pool.give(None, 0)              # no ticket; wakes a waiting hand-over
 
     # ---- what a driver defines ---------------------------------------------------------------
 
@@ -303,7 +330,7 @@ class ThreadHandover(Handover):
 
     def __init__(self, delivery: Delivery, windows: int, lock: threading.RLock):
         super().__init__(delivery, windows, lock)
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Queued] = queue.SimpleQueue()
         # The thread (see _submit): started by a hand-over, it claims the queue under _claim, a
         # lock the training thread takes only in take_over(), re-entrantly (a signal handler
         # there must not wait on it).
@@ -319,7 +346,7 @@ class ThreadHandover(Handover):
         """The thread that delivers now, if any (benchmarks read its CPU time)."""
         return self._consumer
 
-    def _submit(self, job: Job) -> None:
+    def _submit(self, job: _Queued) -> None:
         # The job first, then a thread if none is live. The thread deciding to end looks at
         # the queue after saying it is not live (_loop), so a job is never left without one.
         # An interrupt inside start() may leave a thread running that is not counted: the next
@@ -334,14 +361,14 @@ class ThreadHandover(Handover):
         self.pool.wait()
 
     def attach(self, late: Late) -> None:
-        self._submit(("late", late))
+        self._submit(LateJob(late))
 
     def drain(self, upto: float, deadline: float | None = None) -> bool:
         if not self._used:
             return True
         self.refuse_on_thread("flush() or close()")
         done = _locked()                     # released by the thread once it got there
-        self._submit(("marker", done, upto))
+        self._submit(_Marker(done, upto))
         if not _acquire(done, deadline):
             return False
         self.delivery.call_sinks("flush")
@@ -352,7 +379,7 @@ class ThreadHandover(Handover):
         if not self._live and self._consumer is None and self._jobs.empty():
             return True
         done = _locked()
-        self._submit(("stop", done))
+        self._submit(_Stop(done))
         return _acquire(done, deadline)
 
     def _take_over(self, grace: float) -> bool:
@@ -363,8 +390,8 @@ class ThreadHandover(Handover):
         d = self.delivery
         if not d.abandon(self._ident, grace):
             return False
-        jobs = []
-        if self._current is not None and self._current is not d.ran:
+        jobs: list[_Queued] = []
+        if self._current is not None and not d.committed(self._current):
             jobs.append(self._current)
         with self._claim:
             left, self._jobs = self._jobs, queue.SimpleQueue()
@@ -375,8 +402,8 @@ class ThreadHandover(Handover):
             except queue.Empty:
                 break
         for job in jobs:
-            if job[0] in ("marker", "stop"):
-                job[1].release()
+            if isinstance(job, (_Marker, _Stop)):
+                job.done.release()
             else:
                 self._run(job)
         d.end(math.inf)
@@ -410,8 +437,7 @@ class ThreadHandover(Handover):
         d = self.delivery
         while True:
             job = jobs.get()
-            kind = job[0]
-            if kind == "stop":
+            if isinstance(job, _Stop):
                 d.end(math.inf)
                 with self._claim:
                     self._live = False
@@ -420,13 +446,13 @@ class ThreadHandover(Handover):
                         self._consumer, self._ident = None, -1
                     else:
                         self._live = True
-                job[1].release()
+                job.done.release()
                 if end:
                     return
                 continue
-            if kind == "marker":
-                d.end(job[2])
-                job[1].release()
+            if isinstance(job, _Marker):
+                d.end(job.upto)
+                job.done.release()
                 continue
             self._current = job
             self._run(job)
@@ -509,8 +535,8 @@ class CallerHandover(Handover):
         changes, so an interrupt here loses nothing."""
         try:
             for job in list(self._pending)[:max(count, 0)]:
-                if job[0] == "window":
-                    self.delivery.wait_copy(job[2])
+                if isinstance(job, WindowJob):
+                    self.delivery.wait_copy(job.window)
         except TimeoutError:
             pass                             # close()'s deadline: the pump counts it
 
@@ -535,7 +561,7 @@ class CallerHandover(Handover):
                 if not pending:
                     break
                 job = pending[0]
-                if job is d.ran:
+                if d.committed(job):
                     pending.popleft()
                 elif wait or _landed(job):
                     self._run(job, wait, epoch)
@@ -563,9 +589,9 @@ class CallerHandover(Handover):
 
 def _landed(job: Job) -> bool:
     """Can this job run without waiting? (Host rows always; a window once its copy landed.)"""
-    if job[0] != "window":
+    if not isinstance(job, WindowJob):
         return True
     try:
-        return bool(job[2].win.ready())
+        return job.window.win.ready()
     except Exception:
         return True                          # the decode's wait raises it, and it is reported

@@ -127,7 +127,7 @@ class Ranks:
         self._closing = False
         self._deadline: float | None = None  # time.monotonic(): close() stops waiting then
         self._ended = False               # the thread ended (done, failed or abandoned)
-        self._submit: Callable[[tuple[Any, ...]], None] | None = None
+        self._submit: Callable[[list[Row]], None] | None = None
         self.error: Exception | None = None
         self.lost = 0                     # rows that could not be reduced (see error)
         self.waits = 0                    # puts that waited for room (the bound)
@@ -143,8 +143,8 @@ class Ranks:
 
     # ---- the Logger's calls ------------------------------------------------------------------
 
-    def start(self, submit: Callable[[tuple[Any, ...]], None]) -> None:
-        """submit(job): how reduced rows go back to the hand-over."""
+    def start(self, submit: Callable[[list[Row]], None]) -> None:
+        """submit(rows): how reduced rows go back to the hand-over (Handover.submit_reduced)."""
         self._submit = submit
         self._thread.start()
 
@@ -404,7 +404,7 @@ class Ranks:
             out.append(Row(step, when_l[i], vals))
         submit = self._submit
         if submit is not None and not self._ended:
-            submit(("reduced", out, len(out), out, 0))
+            submit(out)
 
     def _note_slowest(self, step: int, rank: int, ms: float, median: float) -> None:
         """The present straggler's run goes on until another rank is the slowest at

@@ -39,6 +39,7 @@ from . import _compile
 from ._delivery import Delivery
 from ._handover import CallerHandover, Handover, ThreadHandover
 from ._late import Late
+from ._ring import DeviceRing
 from ._torch import MAX_CELLS as _MAX_PER_CALL, _C
 from ._checks import LOGGER_EVERY, check_every, check_max_delay
 from .rows import RESERVED, Row, check_sinks
@@ -75,24 +76,6 @@ class LoggerStats(NamedTuple):
     late_errors: int                 # attached values that failed, were refused or collided
     missing: int = 0                 # late values (attach(), timers) and device copies that
                                      # close() stopped waiting for after close_timeout
-
-
-class _Generation:
-    """One device ring (it is replaced by a wider one when new metrics outgrow its columns),
-    with columns for `metrics` metrics at least, in whole blocks."""
-
-    def __init__(self, device: int, capacity: int, metrics: int, next_step: int):
-        columns = max(_COLUMN_BLOCK, -(-metrics // _COLUMN_BLOCK) * _COLUMN_BLOCK)
-        nbytes = _C.ring_nbytes(capacity, columns)
-        self.device = device
-        self.memory = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-        self.ring = _C.Ring(device, self.memory.data_ptr(), capacity, columns)
-        self.ring.clear(next_step)                           # async memsets, ordered first
-        self.nbytes = nbytes
-        self.capacity = capacity
-        self.next_seq = 0                                    # owned by the delivery thread
-        self.captured = False                                # steps are counted on the device
-        self.current = True                                  # False once a wider ring replaced it
 
 
 def _check_options(every: Any, windows: Any, capacity: Any, max_delay: Any, sinks_on: Any,
@@ -179,7 +162,7 @@ class _Readings:
     _calls: int
     _last_step: int
     _device: int
-    _gen: _Generation | None
+    _gen: DeviceRing | None
     _max_delay: float
     _max_delay_given: float | None
     _delivery: Delivery
@@ -253,12 +236,11 @@ class _Readings:
 
     @property
     def stats(self) -> LoggerStats:
-        d, h = self._delivery, self._handover
+        d, h = self._delivery.stats(), self._handover.stats()
         r = self._ranks
         waits, lost = (0, 0) if r is None else (r.waits, r.lost)
-        return LoggerStats(self._calls, d.delivered, h.windows, h.pool.waits + waits,
-                           dict(d.nonfinite), d.lost + lost, d.sink_errors, d.late.errors,
-                           len(d.missing))
+        return LoggerStats(self._calls, d.delivered, h.windows, h.waits + waits, d.nonfinite,
+                           d.lost + lost, d.sink_errors, d.late_errors, len(d.missing))
 
     def stragglers(self) -> "Stragglers | None":
         """Which rank has been slowest, by how much, since which step (a `Stragglers`), from
@@ -373,18 +355,17 @@ class Logger(_Readings):
         self._finished = self._forked = False  # close() ran to its end; os.fork() closed it
         self._host_rows: list[Row] = []
         self._device = -1
-        self._gen: _Generation | None = None
+        self._gen: DeviceRing | None = None
         self._ring: Any = None                # self._gen.ring, kept at hand for the hot path
         # used by threads=True, flush() and close(); re-entrant, for a signal handler's flush()
         self._lock = threading.RLock()
         self._owner = _SHARED if threads else _UNOWNED
         self._shared = bool(threads)
-        self._delivery = Delivery(sinks, self._names, bool(gpu_time))
+        self._delivery = Delivery(sinks, self._names, bool(gpu_time), self._ranks)
         self._handover = ThreadHandover(self._delivery, windows, self._lock) \
             if delivery == "thread" else \
             CallerHandover(self._delivery, windows, self._lock, _unowned(self))
         if self._ranks is not None:
-            self._delivery.exchange = self._ranks
             self._ranks.start(self._handover.submit_reduced)
         self._pid = os.getpid()
         _live.add(self)
@@ -429,29 +410,35 @@ class Logger(_Readings):
         else:
             step = given = self._take_step(step)
         ring = self._ring
-        if ring is None:
-            self._log_host(metrics, step)
-            return
-        now = time.time()
-        if self._closed:                     # a signal handler closed it since the check above
-            self._refuse_closed()
-        # Counted before the launch: a signal that arrived during the C call is handled as it
-        # returns, and the exception its handler raises must find the row counted (else the
-        # host would trail the ring by a step). A gather that raised before it launched (a bad
-        # value) takes the call back; one that found a new metric launched nothing and says so.
-        self._calls, self._next_step, self._last_step = calls + 1, step + 1, step
-        try:
-            captured = ring.gather(metrics, self._columns, calls, given, now)
-        except BaseException:
-            if not ring.wrote(calls):
-                self._calls, self._next_step, self._last_step = calls, nxt, last
-            raise
-        if captured:
-            if captured is not True:                 # _C.GATHER_NEW_COLUMN
-                captured = self._new_metric(metrics, (calls, nxt, last), step, given, now)
+        if ring is None:                     # host rows (no CUDA metric yet)
+            host_now = self._log_host(metrics, step)
+            if host_now is None:
+                return                       # it bound the ring and logged through it
+            now = host_now
+        else:
+            now = time.time()
+            if self._closed:                 # a signal handler closed it since the check above
+                self._refuse_closed()
+            # Counted before the launch: a signal that arrived during the C call is handled as
+            # it returns, and the exception its handler raises must find the row counted (else
+            # the host would trail the ring by a step). A gather that raised before it launched
+            # (a bad value) takes the call back; one that found a new metric launched nothing
+            # and says so.
+            self._calls, self._next_step, self._last_step = calls + 1, step + 1, step
+            try:
+                captured = ring.gather(metrics, self._columns, calls, given, now)
+            except BaseException:
+                if not ring.wrote(calls):
+                    self._calls, self._next_step, self._last_step = calls, nxt, last
+                raise
             if captured:
+                if captured is not True:             # _C.GATHER_NEW_COLUMN
+                    self._new_metric(metrics, (calls, nxt, last), None if given < 0 else step)
+                    return
                 self._gen.captured = True            # type: ignore[union-attr]
                 return                               # nothing else may happen under capture
+        # The window's trigger (the one for host rows and ring rows alike): hand the window over
+        # at its `every`-th row, or at the first call `max_delay` after its first row.
         since = self._since_flush
         if not since:                                # the window's first row sets its deadline
             self._deadline = -_INF if self._flush_due else now + self._max_delay
@@ -459,30 +446,18 @@ class Logger(_Readings):
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    def _new_metric(self, metrics: dict[str, Any], before: tuple[int, int, int], step: int,
-                    given: int, now: float) -> bool:
+    def _new_metric(self, metrics: dict[str, Any], before: tuple[int, int, int],
+                    step: int | None) -> None:
         """The hot path's gather found a metric without a column (nothing launched): the call
-        is taken back, the column added (the ring may grow), and the gather made again."""
+        is taken back, the column added (the ring may grow), and the call made again, through
+        the hot path (the one place that counts, gathers and triggers a flush)."""
         self._calls, self._next_step, self._last_step = before
+        if all(name in self._columns for name in metrics):
+            raise RuntimeError(f"syncless: metrics {sorted(metrics)} have no column in the "
+                               "logger's device ring after it was widened (a bug: please "
+                               "report)")
         self._add_columns(metrics)
-        return self._launch(metrics, step, given, now)
-
-    def _launch(self, metrics: dict[str, Any], step: int, given: int, now: float) -> bool:
-        """The hot path's counting and gather on the current ring, for its slow paths, once
-        every metric has its column."""
-        ring, before = self._ring, (self._calls, self._next_step, self._last_step)
-        self._calls, self._next_step, self._last_step = before[0] + 1, step + 1, step
-        try:
-            captured = ring.gather(metrics, self._columns, before[0], given, now)
-        except BaseException:
-            if not ring.wrote(before[0]):
-                self._calls, self._next_step, self._last_step = before
-            raise
-        if captured is True or captured is False:
-            return captured
-        self._calls, self._next_step, self._last_step = before
-        raise RuntimeError(f"syncless: metrics {sorted(metrics)} have no column in the "
-                           "logger's device ring after it was widened (a bug: please report)")
+        self.log(metrics, step)
 
     def _log_from_elsewhere(self, metrics: dict[str, Any], step: int | None) -> None:
         """The first call (which makes its thread the owner), a call from another thread, or
@@ -557,19 +532,18 @@ class Logger(_Readings):
                                "a new Logger in the child to log from it")
         raise ValueError("this Logger is closed; create a new one to log again")
 
-    def _log_host(self, metrics: dict[str, Any], step: int) -> None:
-        """Before any CUDA metric: values are read now and kept as host rows."""
+    def _log_host(self, metrics: dict[str, Any], step: int) -> float | None:
+        """Before any CUDA metric: values are read now and kept as a host row, counted; the
+        row's time is returned for the hot path's trigger. The first CUDA metric binds the
+        device ring and makes the call through it instead (None: nothing left to do)."""
         if len(metrics) > _MAX_PER_CALL:                 # the same limit as the kernel's
             raise ValueError(f"at most {_MAX_PER_CALL} metrics per call (got {len(metrics)}); "
                              "split them over two calls with the same step")
         device, values = _C.read_host_values(metrics)
         if values is None:                               # the first CUDA metric binds the ring
             self._bind(device)
-            self._add_columns(metrics)
-            now = time.time()
-            if not self._launch(metrics, step, step, now):
-                self._count_row(now)
-            return
+            self.log(metrics, step)
+            return None
         self._add_columns(metrics)
         now = time.time()
         row = Row(step, now, values)
@@ -581,17 +555,7 @@ class Logger(_Readings):
         self._next_step = step + 1
         self._last_step = step
         self._host_rows.append(row)
-        self._count_row(now)
-
-    def _count_row(self, now: float) -> None:
-        """The hot path's window trigger (written out there, for speed): hand the window over
-        at its `every`-th row, or at the first call `max_delay` after its first row."""
-        since = self._since_flush
-        if not since:
-            self._deadline = -_INF if self._flush_due else now + self._max_delay
-        self._since_flush = since + 1
-        if since + 1 >= self.every or now >= self._deadline:
-            self._flush_window()
+        return now
 
     def _take_step(self, given: Any) -> int:
         step = _check_step(given)
@@ -614,6 +578,14 @@ class Logger(_Readings):
 
     # ---- device ring -------------------------------------------------------------------------
 
+    def device_ring(self, device: int | None = None) -> DeviceRing | None:
+        """The logger's device ring; None before its first CUDA log() and once closed. Given a
+        CUDA device index, the ring is made there first if there is none yet, as the first
+        CUDA log() would make it (for `_compile`, which makes it at trace time)."""
+        if device is not None and self._gen is None and not self._closed:
+            self._bind(device)
+        return self._gen
+
     def _bind(self, device: int) -> None:
         if self._gen is not None:
             return
@@ -624,12 +596,12 @@ class Logger(_Readings):
                     "its device ring must be allocated before capture. Call log() once before "
                     "capturing (warm-up), or create the logger with device='cuda'.")
             self._hand_over_host_rows()
-            gen = _Generation(device, self.capacity, len(self._names), self._next_step)
+            gen = DeviceRing(device, self.capacity, len(self._names), self._next_step)
             # One statement (no interrupt lands inside it): bound whole, or not at all.
             self._gen, self._ring, self._device = gen, gen.ring, device
             self._handover.reserve(gen)          # no flush allocates pinned memory
 
-    def _grow(self, gen: _Generation, needed: int) -> None:
+    def _grow(self, gen: DeviceRing, needed: int) -> None:
         if gen.captured:
             raise ValueError(
                 f"cannot add metric #{needed}: the ring is full and a CUDA graph captured it, so "
@@ -638,7 +610,7 @@ class Logger(_Readings):
             if self._since_flush:
                 self._flush_window()
             columns = -(-needed // _COLUMN_BLOCK) * _COLUMN_BLOCK * 2
-            wider = _Generation(self._device, self.capacity, columns, self._next_step)
+            wider = DeviceRing(self._device, self.capacity, columns, self._next_step)
             # gen's windows are too small now: let them go (current False); one statement.
             gen.current, self._gen, self._ring = False, wider, wider.ring
             self._handover.reserve(wider)
@@ -723,7 +695,6 @@ class Logger(_Readings):
         if self._finished:
             return
         timeout = self.close_timeout if timeout is _NO_TIMEOUT else _check_timeout(timeout)
-        d = self._delivery
         with self._lock:
             if self._gen is not None and self._gen.ring.capturing():
                 # Refused before anything changes: the logger stays open and loses nothing.
@@ -735,7 +706,7 @@ class Logger(_Readings):
             self._flush_window()
         ranks = self._ranks
         if ranks is not None:               # every rank's last rows, reduced (see _ranks)
-            deadline = d.late.deadline
+            deadline = self._handover.deadline
             ranks.closing_by(deadline)
             self._handover.drain(_INF, deadline)    # this rank's rows all reach the exchange
             ranks.finish(deadline)
@@ -745,10 +716,10 @@ class Logger(_Readings):
         self._gen = self._ring = None
         self._finished = True
         _live.discard(self)
-        if d.missing:
+        missing = self._delivery.stats().missing
+        if missing:
             _log.warning("syncless: close() stopped waiting after %s s for %s; the rows went out "
-                         "without them (counted in stats.missing)", timeout,
-                         ", ".join(d.missing))
+                         "without them (counted in stats.missing)", timeout, ", ".join(missing))
         if ranks is not None and ranks.error is not None:
             raise ranks.error
 
@@ -825,7 +796,7 @@ def _finalize(log: Logger) -> None:
     if log._ranks is not None:
         log._ranks.stop()
     if log._reducer is not None or log._ranks is not None:
-        pending = log._calls - log._delivery.delivered
+        pending = log._calls - log._delivery.stats().delivered
         if pending:
             _log.warning("syncless: a Logger(reduce=...) was dropped without close(): %d rows "
                          "(steps after %d) were not delivered; close it on every rank",
