@@ -579,9 +579,11 @@ class Logger(_Readings):
     # ---- device ring -------------------------------------------------------------------------
 
     def device_ring(self, device: int | None = None) -> DeviceRing | None:
-        """The logger's device ring; None before its first CUDA log() and once closed. Given a
-        CUDA device index, the ring is made there first if there is none yet, as the first
-        CUDA log() would make it (for `_compile`, which makes it at trace time)."""
+        """The logger's device ring (the GPU buffer its CUDA rows are written to); None before
+        the first CUDA log() and once closed. Given a CUDA device index, the ring is made there
+        first if there is none yet, as the first CUDA log() would make it. Used by syncless's
+        torch.compile support (which makes the ring at trace time); a training loop never needs
+        it."""
         if device is not None and self._gen is None and not self._closed:
             self._bind(device)
         return self._gen
