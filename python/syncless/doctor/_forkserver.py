@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import subprocess
+import weakref
 import sys
 from time import perf_counter
 from typing import IO, Any
@@ -136,6 +137,9 @@ class Runner:
             proc.wait()
             return None
         self._proc = proc
+        # A Runner dropped without close() (a Verifier a caller never closed) still ends its
+        # server: the callback holds the process, not the Runner.
+        self._stop = weakref.finalize(self, _stop, proc)
         return proc
 
     @property
@@ -150,15 +154,21 @@ class Runner:
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            self._stop()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End the server: its input closed, it exits (killed after 30 s)."""
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _reply(stream: IO[bytes], timeout_s: float) -> dict[str, Any]:
