@@ -481,8 +481,13 @@ FLUSHING_HANDLER = """
                               delivery=delivery)
         returned, done = 0, False
 
+        # Stop is raised only while `armed`, which the raise itself clears: it lands inside the
+        # try blocks below (in log(), a delivery or close()), never between them, where it would
+        # end the script instead of the call it interrupts.
+        armed = False
+
         def handler(signum, frame):
-            global raised, handled
+            global raised, handled, armed
             if done:
                 return
             handled += 1
@@ -492,21 +497,26 @@ FLUSHING_HANDLER = """
                 raised += 1
                 print("raised", repr(exc))
             signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-5, 5e-4))
-            if random.random() < 0.1:
+            if armed and random.random() < 0.1:
+                armed = False
                 raise Stop()
 
         signal.signal(signal.SIGALRM, handler)
         try:
+            armed = True
             signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-5, 5e-4))
             for i in range(400):
                 log(x=float(i))
                 log.attach("a", lambda i=i: float(-i))
                 returned += 1
+            armed = False
         except Stop:
             pass
         for _ in range(30):                       # the handler keeps coming: close() again
             try:
+                armed = True
                 log.close()
+                armed = False
                 break
             except Stop:
                 pass
