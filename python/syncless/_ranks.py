@@ -164,6 +164,13 @@ class Ranks:
         self._thread.join(wait)
         if self._thread.is_alive():       # stuck in a collective past the deadline
             self._give_up(self._missing_error("close_timeout passed"))
+            return
+        # The group's gloo threads end here, not in the interpreter's teardown (where a rank
+        # exiting under load once aborted: "terminate called without an active exception").
+        try:
+            dist.destroy_process_group(self.group)
+        except Exception as exc:          # already gone (the job tore everything down)
+            _log.debug("syncless: the ranks' group was not destroyed: %s", exc)
 
     def stop(self) -> None:
         """A Logger dropped without close(): exchange no more (the other ranks' close() will
