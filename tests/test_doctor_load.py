@@ -74,6 +74,7 @@ SCRIPT = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_the_report_says_the_run_was_measured_under_load(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))

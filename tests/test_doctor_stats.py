@@ -32,6 +32,13 @@ class Runs(_verify.Verifier):
         return ms
 
 
+def test_the_95_interval_of_a_mean():
+    mean, low, high = _stats.t_interval([-5.0, -6.0, -4.0])
+    assert mean == -5.0
+    assert (low, high) == pytest.approx((-5.0 - 4.303 / 3 ** 0.5, -5.0 + 4.303 / 3 ** 0.5))
+    assert _stats.t_interval([-1.0]) == (-1.0, float("-inf"), float("inf")), "one says nothing"
+
+
 def test_the_hf_pairs_keep_the_fix():
     c = _stats.compare([a for a, _ in HF_PAIRS], [b for _, b in HF_PAIRS])
     assert c.verdict == "win" and c.pairs == 3

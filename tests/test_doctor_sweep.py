@@ -104,6 +104,7 @@ def tiny_step():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_watch_prescribes_the_measured_workers_for_a_storage_bound_loader():
     # The issue's loader: 41.8 ms/step with no worker, 21.0 with 2, 10.4 with 4, 5.6 with 8 on
     # 2 cores, where the model allowed at most one worker per CPU.
@@ -124,6 +125,7 @@ def test_watch_prescribes_the_measured_workers_for_a_storage_bound_loader():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_cpu_bound_loader_gets_no_more_workers_than_the_cpus_left():
     # Workers that decode compete for the CPUs with the loop's own torch threads: the count
     # stops at the CPUs those leave (one here: torch on one thread, 2 CPUs), whatever the
@@ -160,6 +162,7 @@ SCRIPT = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_the_script_doctor_prescribes_the_measured_workers(tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))

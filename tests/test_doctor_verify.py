@@ -10,13 +10,6 @@ import pytest
 from syncless.doctor import _verify, cli
 
 
-def test_the_95_interval_of_paired_differences():
-    mean, low, high = _verify.ci95([-5.0, -6.0, -4.0])
-    assert mean == -5.0
-    assert (low, high) == pytest.approx((-5.0 - 4.303 / 3 ** 0.5, -5.0 + 4.303 / 3 ** 0.5))
-    assert _verify.ci95([-1.0]) == (-1.0, float("-inf"), float("inf")), "one pair says nothing"
-
-
 def test_worker_sweep_counts():
     assert _verify.worker_candidates(0, None, 2) == [0, 1, 2]
     assert _verify.worker_candidates(2, 12, 16) == [1, 2, 4, 8, 12, 16]
@@ -74,6 +67,7 @@ CPU_BOUND_LOADER = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_verify_keeps_a_worker_only_when_it_wins_on_this_machine(tmp_path):
     # A CPU loop whose batches are computed by torch: torch's threads take this machine's CPUs,
     # so the doctor prescribes no worker without measuring, and --verify keeps one only when its
@@ -232,6 +226,7 @@ def verified_loader_fix(tmp_path, script):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_verify_measures_the_training_arguments_fix_of_an_hf_trainer(tmp_path):
     d, f, out = verified_loader_fix(tmp_path, HF_SLOW_DATA)
     assert d["framework"] == "transformers"
@@ -241,6 +236,7 @@ def test_verify_measures_the_training_arguments_fix_of_an_hf_trainer(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_verify_measures_the_dataloader_fix_of_a_lightning_trainer(tmp_path):
     d, f, out = verified_loader_fix(tmp_path, LIGHTNING_SLOW_DATA)
     assert d["framework"] == "lightning"

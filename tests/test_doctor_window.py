@@ -102,6 +102,7 @@ PREFETCH = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
     # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
     # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
@@ -149,6 +150,7 @@ def steady_mean(own, start, stop):
 
 
 @pytest.mark.parametrize("mode", [pytest.param("default", marks=pytest.mark.slow), "--quick"])
+@pytest.mark.timing
 def test_a_periodic_stall_is_reported_apart_from_the_steady_step(tmp_path, request, mode):
     if mode == "default":                      # the full-length run, in its own interpreter
         d, r = doctor_process(tmp_path, PERIODIC)
@@ -190,6 +192,7 @@ EPOCHS = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_workers_restarting_every_epoch_are_periodic_work_with_their_fix(tmp_path):
     d, out = doctor_process(tmp_path, EPOCHS, "--quick")
     [epoch] = [p for p in d["periodic"] if p["every_steps"] == 8]
@@ -316,6 +319,7 @@ def test_a_lightning_script_gets_the_dataloader_argument(tmp_path):
 
 # ---- syncless.doctor(step): the same window as the CLI's ------------------------------------------
 
+@pytest.mark.timing
 def test_doctor_api_reports_a_periodic_stall_apart_from_the_step():
     # A 10-ms step whose every 8th call stalls 300 ms more (a checkpoint, say): the stall is
     # periodic work, apart; the steady step is the one timed here with two timestamps.
@@ -370,6 +374,7 @@ API_PREFETCH = """
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_doctor_api_waits_out_the_loaders_prefetch(tmp_path):
     # As the CLI's test above: 20 batches made in advance, then 2 workers deliver one each 25 ms
     # for a 5-ms step. In its own interpreter (worker processes; see above).

@@ -127,13 +127,14 @@ for slow in (None, world - 1):
     rows = []
     log = syncless.Logger(every=10, reduce="mean", max_delay=0.1,
                           sinks=[syncless.sinks.Callback(lambda s, t, v: rows.append((s, v)))])
-    kept, took = [], []
+    kept, took, marks = [], [], []
     sleep = step_s * (3 if rank == slow else 1)
     for step in range(40):
         began = time.perf_counter()
         time.sleep(sleep)
         metrics = {"loss": float(step + rank), "acc": float(rank % 4) / 4,
                    "gn": float((step * rank) % 7), "lr": 0.5}
+        marks.append(time.perf_counter())        # the ground truth of this rank's step time
         log(**metrics)
         took.append(time.perf_counter() - began)
         kept.append([metrics[k] for k in ("loss", "acc", "gn", "lr")])
@@ -146,6 +147,7 @@ for slow in (None, world - 1):
                                     v.get("ranks/slowest")] for s, v in rows],
                           "ref": ref.tolist()}
     out[f"median{slow}"] = statistics.median(took)
+    out[f"marks{slow}"] = marks
 json.dump(out, open(f"{tmp}/sixteen{rank}.json", "w"))
 dist.destroy_process_group()
 '''
@@ -161,10 +163,12 @@ def _launch(script, world, tmp, *args):
     return max(p.returncode for p in procs), "\n".join(errs)
 
 
+@pytest.mark.timing
 def test_sixteen_ranks_one_three_times_slower(tmp_path):
     """16 gloo ranks, 4 metrics a step, sleep-dominated 30-ms steps; then the same with rank 15
     sleeping 90 ms. The others' median step time does not move (< 5%), every value equals a
-    plain all-reduce of the same per-step values, every row names rank 15, close() returns."""
+    plain all-reduce of the same per-step values, every row names the rank whose step was the
+    longest by its own clock (rank 15, but for a rank the host kept off its CPU), close() returns."""
     script = tmp_path / "sixteen.py"
     script.write_text(SIXTEEN_SCRIPT)
 
@@ -184,8 +188,17 @@ def test_sixteen_ranks_one_three_times_slower(tmp_path):
     fast = [res[r]["medianNone"] for r in range(SIXTEEN - 1)]
     with_slow = [res[r]["median15"] for r in range(SIXTEEN - 1)]
     assert statistics.median(with_slow) < 1.05 * statistics.median(fast), (fast, with_slow)
-    slowest = [w for _, _, w in res[0]["15"]["rows"][1:]]
-    assert slowest == [15.0] * 39, slowest
+    # Each row names the rank whose step (the time between its log() calls) was the longest,
+    # by the ranks' own clocks: rank 15 by design, but 16 processes on 2 CI cores under a
+    # sanitizer gave one row to rank 2 (a rank kept off the CPUs for 60 ms is the slowest at
+    # that step). Within 2 ms: the logger stamps the row a few statements after the script.
+    marks = [res[r]["marks15"] for r in range(SIXTEEN)]
+    steps = [[b - a for a, b in zip(m, m[1:])] for m in marks]
+    slowest = [int(w) for _, _, w in res[0]["15"]["rows"][1:]]
+    for k, w in enumerate(slowest):
+        longest = max(s[k] for s in steps)
+        assert steps[w][k] >= longest - 2e-3, (k + 1, w, [s[k] for s in steps])
+    assert slowest.count(15) >= 0.8 * len(slowest), slowest
 
 
 KILLED = r'''
@@ -347,6 +360,7 @@ def main(rank, world, port, out):
     dist.all_reduce(ref)
     if rank == 0:
         json.dump({"rows": m.rows, "ref": (ref / world).tolist()}, open(out, "w"))
+    dist.destroy_process_group()            # see the end of ACCELERATE below
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
@@ -385,6 +399,11 @@ dist.all_reduce(peak, dist.ReduceOp.MAX)
 if rank == 0:
     json.dump({"world": world, "rows": rows, "mean": (mean / world).tolist(),
                "peak": peak.tolist()}, open(os.environ["OUT"], "w"))
+# accelerate's documented end (it destroys the process group): a rank that exits with a live
+# gloo group can abort in the interpreter's teardown, with or without syncless ("terminate called
+# without an active exception", pytorch/pytorch#179291): 3 times here, in this script and the
+# Lightning one, which now end the same way.
+acc.end_training()
 '''
 
 

@@ -107,9 +107,6 @@ class Ranks:
     def __init__(self, reduce: str | Mapping[str, str], every: int, heartbeat: float):
         global _made
         self.default_op, self.per_metric = parse_reduce(reduce)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("Logger(reduce=...) needs torch.distributed initialised first "
-                               "(dist.init_process_group)")
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         # A group of its own: its collectives never pair with the model's or another Logger's.

@@ -29,7 +29,8 @@ OPS = ("mean", "sum", "min", "max")
 
 
 def parse_reduce(reduce: str | Mapping[str, str]) -> tuple[str, dict[str, str]]:
-    """(the default op, {metric: op}) of a `reduce=` argument, or ValueError naming the metric."""
+    """(the default op, {metric: op}) of a `reduce=` argument, or ValueError naming the metric;
+    RuntimeError before torch.distributed is initialised (both reduce_on= paths need it)."""
     if isinstance(reduce, str):
         default, per_metric = reduce, {}
     else:
@@ -37,6 +38,9 @@ def parse_reduce(reduce: str | Mapping[str, str]) -> tuple[str, dict[str, str]]:
     for name, op in [("default", default), *per_metric.items()]:
         if op not in OPS:
             raise ValueError(f"reduce for {name!r} must be one of {OPS}, got {op!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("Logger(reduce=...) needs torch.distributed initialised first "
+                           "(dist.init_process_group)")
     return default, per_metric
 
 
@@ -46,9 +50,6 @@ class Reducer:
 
     def __init__(self, reduce: str | Mapping[str, str]):
         self.default, self.per_metric = parse_reduce(reduce)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("Logger(reduce=...) needs torch.distributed initialised first "
-                               "(dist.init_process_group)")
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         # A CPU group for the schema check, so comparing names never touches a GPU.

@@ -38,10 +38,8 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import re
-import statistics
 import sys
 import tempfile
 from time import perf_counter
@@ -57,22 +55,9 @@ if TYPE_CHECKING:
     from .diagnose import Diagnosis
     from .findings import Finding
 
-__all__ = ["apply", "ci95", "Verifier"]
+__all__ = ["apply", "Verifier"]
 
 ENV = "SYNCLESS_DOCTOR_APPLY"
-# Student's t, two-sided 95%, by degrees of freedom.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228}
-
-
-def ci95(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% interval of paired differences (t distribution)."""
-    n = len(diffs)
-    mean = statistics.fmean(diffs)
-    if n < 2:
-        return mean, -math.inf, math.inf
-    half = _T95.get(n - 1, 1.96) * statistics.stdev(diffs) / math.sqrt(n)
-    return mean, mean - half, mean + half
 
 
 # ---- in the measured run: the settings, applied from outside the code ---------------------------
