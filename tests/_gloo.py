@@ -6,6 +6,12 @@ Gloo's TCP set-up (connectFullMesh, inside `init_process_group`) now and then fa
 where every process runs several times slower. It happens before the test's own code runs, so a
 try that fails there is repeated, in a fresh directory with a fresh store; any other failure is
 reported at once."""
+import os
+import random
+import socket
+import subprocess
+import sys
+
 import torch.multiprocessing as mp
 
 MESH_FLAKE = "Gloo connectFullMesh failed"
@@ -53,3 +59,26 @@ def ranks_or_flake(children):
                         child.proc.kill()
                 break
     return None if flaked else [child.wait() for child in children]
+
+
+def child_env(**extra):
+    """The environment of a launched script: this checkout's syncless first, no GPU, NVLink
+    multicast off."""
+    python = os.path.join(os.path.dirname(__file__), "..", "python")
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", NCCL_NVLS_ENABLE="0", **extra,
+                PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
+
+
+def free_port():
+    """A TCP port no process listens on now (for a script's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, nproc, env, timeout=300):
+    """`python -m torch.distributed.run --nproc_per_node <nproc> script`: the finished process."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(nproc), "--master_port", str(29500 + random.randrange(1000)),
+                           str(script)], env=env, capture_output=True, text=True,
+                          timeout=timeout)

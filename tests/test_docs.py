@@ -14,7 +14,6 @@ interpreter exit would. Blocks without a marker are fragments (a line inside the
 loop) and are not run.
 """
 import contextlib
-import os
 import pathlib
 import re
 

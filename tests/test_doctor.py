@@ -19,11 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 import syncless
 from syncless.doctor import Audit, StepMonitor, SyncError, audit, doctor, watch
-from syncless.doctor._loader import HEADROOM
 from syncless.doctor.report import render_audit
 
 HAS_CUDA = torch.cuda.is_available()

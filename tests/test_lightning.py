@@ -298,21 +298,14 @@ if __name__ == "__main__":
 def test_sync_dist_two_processes(tmp_path):
     """Two gloo ranks, each with its own data: `sync_dist=True` step and epoch values are the
     reduced ones, unsynced ones rank 0's, exactly as in the plain run."""
-    import socket
-    from _gloo import rerun_on_mesh_flake
+    from _gloo import child_env, free_port, rerun_on_mesh_flake
     script = tmp_path / "ddp_fit.py"
     script.write_text(DDP_SCRIPT)
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(syncless.__file__)),
-                                          os.environ.get("PYTHONPATH", "")])}
 
     def fit(attempt):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out_dir = tmp_path / f"out{attempt}"
-        out = subprocess.run([sys.executable, str(script), str(port), str(out_dir)],
-                             env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, str(script), str(free_port()), str(out_dir)],
+                             env=child_env(), capture_output=True, text=True, timeout=300)
         return out.returncode, out.stderr, out_dir
 
     rc, stderr, out_dir = rerun_on_mesh_flake(fit)

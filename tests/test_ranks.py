@@ -15,16 +15,10 @@ import torch
 import torch.distributed as dist
 
 import syncless
-from _gloo import rerun_on_mesh_flake, spawn_ranks
+from _gloo import (child_env as _env, free_port, rerun_on_mesh_flake, spawn_ranks,
+                   torchrun)
 
 pytestmark = pytest.mark.slow
-
-
-def _env(**extra):
-    """The environment of a launched script: this checkout's syncless first, no GPU."""
-    python = os.path.join(os.path.dirname(__file__), "..", "python")
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", **extra,
-                PYTHONPATH=os.pathsep.join([python, os.environ.get("PYTHONPATH", "")]))
 
 
 def _init(rank, world, tmp):
@@ -298,10 +292,7 @@ def test_torchrun_four_gloo_ranks_equal_a_plain_all_reduce(tmp_path):
 
     def run(attempt):
         out = tmp_path / f"out{attempt}.json"
-        env = _env(OUT=str(out))
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                            "4", "--master_port", str(29500 + random.randrange(1000)),
-                            str(script)], env=env, capture_output=True, text=True, timeout=300)
+        p = torchrun(script, 4, _env(OUT=str(out)))
         return p.returncode, p.stderr, out
 
     rc, stderr, out = rerun_on_mesh_flake(run)
@@ -410,16 +401,12 @@ acc.end_training()
 def test_lightning_ddp_two_cpu_ranks_equal_a_plain_all_reduce(tmp_path):
     """A user's Logger(reduce="mean") inside a LightningModule under strategy="ddp" (gloo):
     the reduced loss of every step equals the plain all-reduce of the ranks' losses."""
-    import socket
     script = tmp_path / "fit.py"
     script.write_text(LIGHTNING)
 
     def fit(attempt):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out = tmp_path / f"out{attempt}.json"
-        p = subprocess.run([sys.executable, str(script), str(port), str(out)], env=_env(),
+        p = subprocess.run([sys.executable, str(script), str(free_port()), str(out)], env=_env(),
                            capture_output=True, text=True, timeout=300)
         return p.returncode, p.stderr, out
 
@@ -439,10 +426,7 @@ def test_accelerate_two_cpu_processes_equal_a_plain_all_reduce(tmp_path):
 
     def run(attempt):
         out = tmp_path / f"out{attempt}.json"
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                            "2", "--master_port", str(29500 + random.randrange(1000)),
-                            str(script)],
-                           env=_env(OUT=str(out)), capture_output=True, text=True, timeout=300)
+        p = torchrun(script, 2, _env(OUT=str(out)))
         return p.returncode, p.stderr, out
 
     rc, stderr, out = rerun_on_mesh_flake(run)

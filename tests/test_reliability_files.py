@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import syncless
-from syncless.sinks import CSV, JSONL, Callback
+from syncless.sinks import CSV, JSONL
 from _sinks import Collect
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -40,7 +40,6 @@ import inspect
 import json
 import os
 import re
-import sys
 import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
