@@ -430,3 +430,27 @@ def test_quick_says_what_it_left_out():
         "5 audited steps (default 10), 15 steps timed unobserved (default 30): a stall that "
         "comes less often than that is seen as a one-off; the window still starts past the "
         "loader's prefetch and the warm-up")
+
+
+def test_a_killed_doctors_folders_go_at_the_next_run(tmp_path, monkeypatch):
+    # A doctor ended by SIGTERM or SIGKILL removes nothing itself: the folders its runs and its
+    # trace used are named by its pid, and the next doctor removes those whose process is gone.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = int(gone.stdout)
+    for name in (f"syncless-verify-{dead}-x1", f"syncless-doctor-{dead}-x2"):
+        (tmp_path / name / "run1").mkdir(parents=True)
+        (tmp_path / name / "run1" / "model.pth").write_bytes(b"left over")
+    alive = tmp_path / f"syncless-verify-{os.getppid()}-x3"   # a doctor still running
+    alive.mkdir()
+    other = tmp_path / "syncless-verify-notes"                  # not ours: no pid
+    other.mkdir()
+    made = _scratch.own_tempdir("syncless-verify-")
+    assert os.path.basename(made).startswith(f"syncless-verify-{os.getpid()}-")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"syncless-doctor-{dead}-x2", alive.name, other.name,
+                           os.path.basename(made)]), left
+    _scratch.own_tempdir("syncless-doctor-")
+    assert not (tmp_path / f"syncless-doctor-{dead}-x2").exists()
+    assert alive.exists() and other.exists()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 from time import perf_counter
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from ._boundary import Boundaries
 from ._feed import Feed
 from ._loader import ready_batches
 from ._sampler import StackSampler
+from ._scratch import own_tempdir
 from ._series import Series
 from .audit import Audit
 from .diagnose import KernelTime, QueueProbe, profiler, trace_gpu
@@ -305,8 +305,7 @@ class Trace(Phase):
         trace = self.s.trace
         if cuda():
             torch.cuda.synchronize()
-        self._path = trace or os.path.join(tempfile.mkdtemp(prefix="syncless-doctor-"),
-                                           "trace.json")
+        self._path = trace or os.path.join(own_tempdir("syncless-doctor-"), "trace.json")
         self._profile = profiler(cuda(), cpu=bool(trace))
         self._profile.__enter__()
 

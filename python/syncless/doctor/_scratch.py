@@ -8,7 +8,31 @@ import tempfile
 
 from ._isolate import Watch, under
 
-__all__ = ["Scratch"]
+__all__ = ["Scratch", "own_tempdir"]
+
+
+def own_tempdir(prefix: str) -> str:
+    """A new temporary folder `<prefix><pid>-<random>`, after removing this user's folders of
+    the same prefix whose process is gone (a doctor killed by SIGTERM or SIGKILL removes nothing
+    itself: its folder goes at the next run)."""
+    base = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        entries = []
+    for e in entries:
+        if not e.name.startswith(prefix):
+            continue
+        pid = e.name[len(prefix):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)               # alive (or another user's): kept
+        except ProcessLookupError:
+            shutil.rmtree(e.path, ignore_errors=True)
+        except OSError:
+            continue
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
 
 
 class Scratch:
@@ -18,7 +42,7 @@ class Scratch:
 
     def __init__(self, cwd: str, watch: Watch | None) -> None:
         self.cwd = os.path.realpath(cwd)
-        self.root = tempfile.mkdtemp(prefix="syncless-verify-")
+        self.root = own_tempdir("syncless-verify-")
         self.created = watch.created if watch is not None else set()
         self.changed = watch.changed if watch is not None else set()
         # Folders the script wrote in: made for real (their entries linked one by one).
