@@ -53,6 +53,39 @@ def test_a_busy_process_outside_the_tree_is_load():
     assert load.other_cpus >= 0.5 and load.loaded, load
 
 
+def test_watch_says_its_steps_were_measured_under_load():
+    import torch
+    import syncless
+    from syncless.doctor.monitor import Watch
+    data = [torch.ones(4)] * 8
+    brief = syncless.watch(data)
+    for _ in brief:
+        pass
+    assert not brief.load().loaded and not str(brief).startswith("load: "), \
+        "a few ms of steps: /proc/stat's ticks cannot tell"
+    w = syncless.watch(data * 200)
+    # Not our child: started through a shell that exits at once (it goes to init).
+    subprocess.run(["sh", "-c", f"{sys.executable} -c '{BUSY.format(s=2.5)}' &"], check=True)
+    time.sleep(0.3)                                 # its interpreter starting
+    for i, x in enumerate(w):
+        time.sleep(0.001)                           # over a second of steps while it spins
+        if i == 1000:
+            break                                   # the load is read as the loop leaves
+    load = w.load()
+    assert load is not None and load.loaded and load.other_cpus >= 0.5, load
+    time.sleep(0.5)
+    assert w.load() is load, "read once, when the iteration ended"
+    first, second = str(w).splitlines()[:2]
+    assert first.startswith("load: other processes kept ") and first.endswith(
+        ": the times below were measured under that load, and may differ without it"), first
+    assert second.startswith("syncless.watch: 1001 steps") and \
+        second.endswith("(host wall) (measured under load)"), second
+    page = w._repr_html_()
+    assert page.startswith("<p>load: other processes kept ") and "<table>" in page
+    assert "measured under load)</p><table>" in page
+    assert isinstance(w, Watch)
+
+
 def test_the_load_line_and_the_json():
     load = Load(wall_s=12.0, cpus=2, own_cpus=0.9, other_cpus=1.1)
     assert load.loaded and load.as_dict()["other_cpus"] == 1.1
@@ -61,6 +94,7 @@ def test_the_load_line_and_the_json():
                            "less their own CPU time)")
     assert not Load(12.0, 2, 1.0, 0.3).loaded, "less than half a CPU: not loaded"
     assert not Load(12.0, 16, 1.0, 3.9).loaded and Load(12.0, 16, 1.0, 4.0).loaded
+    assert not Load(0.4, 2, 0.0, 2.0).loaded, "under MIN_WALL_S: the ticks cannot tell"
 
 
 SCRIPT = """

@@ -17,6 +17,7 @@ from ._loader import cpu_count
 __all__ = ["Load", "LoadMeter", "LOADED"]
 
 LOADED = 0.25            # others keeping this share of the CPUs busy (at least half a CPU): loaded
+MIN_WALL_S = 0.5         # over less, /proc/stat's 10-ms ticks say nothing: never "loaded"
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -30,7 +31,7 @@ class Load:
 
     @property
     def loaded(self) -> bool:
-        return self.other_cpus >= max(0.5, LOADED * self.cpus)
+        return self.wall_s >= MIN_WALL_S and self.other_cpus >= max(0.5, LOADED * self.cpus)
 
     def text(self) -> str:
         return (f"other processes kept {self.other_cpus:.1f} of the {self.cpus} CPUs this "

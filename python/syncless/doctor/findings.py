@@ -99,16 +99,18 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                        cpus: int | None = None, data_cpu: float | None = None,
                        host_ms: float | None = None, trainer_cpus: int = 1,
                        handoff_ms: float | None = None,
-                       sweeper: Callable[[float], Sweep | None] | None = None
+                       sweeper: Callable[[float, float], Sweep | None] | None = None
                        ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step); `handoff_ms`: what taking a
     ready batch from a worker costs the training thread (measured; None: not measured, taken
-    as 0), which the step still waits with workers that keep up. `sweeper(target_ms)`: side
-    loaders of the loader's own dataset timed with k workers until one keeps up with a step of
-    target_ms (_sweep.py); where it measured, the worker count and the step it predicts come from
-    it, not from the model. It runs only where the wait is worth a finding (MINOR_SHARE)."""
+    as 0), which the step still waits with workers that keep up. `sweeper(target_ms, busy_ms)`:
+    side loaders of the loader's own dataset timed with k workers, their batches taken at the
+    pace of a step of target_ms that holds a CPU for busy_ms (the step's body, its blocked syncs
+    out), until one keeps up (_sweep.py); where it measured, the worker count and the step it
+    predicts come from it, not from the model. It runs only where the wait is worth a finding
+    (MINOR_SHARE)."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
@@ -122,7 +124,9 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     # `trainer_cpus`: the CPUs the training process keeps busy itself: one for a GPU loop's
     # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
-    sweep = sweeper(target) if sweeper is not None and wins >= MINOR_SHARE * step_ms else None
+    busy = min(target, max(0.0, host - data_ms))        # the body's time on the CPU
+    sweep = sweeper(target, busy) if sweeper is not None and wins >= MINOR_SHARE * step_ms \
+        else None
     fixes: list[Fix] = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
@@ -130,7 +134,8 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
         per += f" (mostly waiting: {data_cpu:.0%} of it on a CPU, so workers need no CPU each)"
     need = f"the step needs one every {target:.2f} ms"
     if sweep is not None and sweep.period_ms:
-        plan.needed, plan.enough, fixes = _swept(sweep, plan, target, step_ms, bool(loader))
+        plan.needed, plan.enough, fixes = _swept(sweep, plan, target, step_ms, bool(loader),
+                                                 busy)
     elif plan.enough:
         what = (f"num_workers={plan.needed}" if loader else
                 f"wrap the dataset in a DataLoader with num_workers={plan.needed}")
@@ -187,18 +192,24 @@ CHEAPER = ("make batches cheaper: decode at a lower resolution or with a faster 
 
 
 def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
-           loader: bool) -> tuple[int, bool, list[Fix]]:
+           loader: bool, busy_ms: float) -> tuple[int, bool, list[Fix]]:
     """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
     measured: the fewest workers whose step is within 5% of the best measured, the step
-    predicted as the slower of their batch period and the step's own time. Workers that compute
-    get at most the CPUs torch's own threads leave (the sweep ran while the loop waited: its
-    CPUs were free)."""
+    predicted as their period at the step's pace. The sweep's pace held one CPU for the step's
+    busy time (`busy_ms`): a loop on one thread (a GPU loop's host, or torch on one thread) was
+    in the measurement. A CPU loop's torch threads run beside it for that share of the step:
+    workers that compute get at most the CPUs those leave (2 cores, torch on 2 threads busy
+    through the step: none; 10 ms of decoding a sample for a 0.5-ms step on one thread: both,
+    measured 41.3 -> 21.7 ms/step where the old cap of one CPU per torch thread prescribed
+    none)."""
     workers, cpus = plan.workers, plan.cpus
     computes = sweep.computes
     share = sweep.cpu_share.get(min(sweep.cpu_share)) if sweep.cpu_share else None
     busy = f"{share:.0%} of their time on a CPU" if share is not None else "CPU time unread"
     plan.computes = computes
-    most = max(0, cpus - plan.trainer_cpus) if computes else max_workers(cpus)
+    step_cpus = 0 if plan.trainer_cpus <= 1 else \
+        math.ceil(plan.trainer_cpus * min(1.0, busy_ms / target) - 0.05) if target > 0 else 0
+    most = max(0, cpus - step_cpus) if computes else max_workers(cpus)
     plan.most = most
     measured = (f"measured: side loaders of this loader's dataset, sampler and collate made a "
                 f"batch every {sweep.text()}; the workers {'compute' if computes else 'wait'} "
@@ -207,9 +218,10 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
     k = sweep.choose(target, most)
     if k is None:
         return 0, False, [Fix(
-            f"no CPU is free for a worker: the workers compute ({busy}), and torch's own threads "
-            f"use {plan.trainer_cpus} of this machine's {cpus} CPUs (torch.get_num_threads()), so "
-            f"a worker would take its CPU from the step ({measured}); {CHEAPER}", None,
+            f"no CPU is free for a worker: the workers compute ({busy}), and torch's own "
+            f"{plan.trainer_cpus} threads (torch.get_num_threads()) keep {step_cpus} of this "
+            f"machine's {cpus} CPUs busy through the step, so a worker would take its CPU from "
+            f"the step ({measured}); {CHEAPER}", None,
             "workers")]
     predicted = sweep.predicted_ms(k, target)
     keeps = sweep.period_ms[k] <= 1.1 * target      # with 10% to spare: batch times jitter
@@ -224,7 +236,7 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
            "the iterator makes each batch on the training thread")
     what = (f"num_workers={k}" if loader else
             f"wrap the dataset in a DataLoader with num_workers={k}")
-    cap = (f"; at most the {most} CPUs torch's threads leave, as they compute"
+    cap = (f"; at most the {most} CPUs torch's threads leave busy, as they compute"
            if computes and most < max(sweep.period_ms) else "")
     text = f"{now}: {what} ({measured}; {need}{cap}; this machine has {cpus} CPUs)"
     if not keeps and computes:

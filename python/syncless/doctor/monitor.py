@@ -35,6 +35,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator
 import torch
 
 from ._gpuclock import GpuClock, gpu_clock
+from ._load import Load, LoadMeter
 from ._loader import loader_settings
 from ._sweep import Sweep, recipe, sweeper
 from .findings import Finding, is_minor, starvation_finding
@@ -65,7 +66,7 @@ class MonitorSummary:
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
-    def findings(self, sweeper: Callable[[float], Sweep | None] | None = None
+    def findings(self, sweeper: Callable[[float, float], Sweep | None] | None = None
                  ) -> list[Finding]:
         """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
         a step can get no faster than its GPU work); `sweeper`: the loader's workers measured
@@ -346,7 +347,9 @@ class Watch:
                  **kw: Any):
         self.iterable = iterable
         self.monitor = monitor or StepMonitor(log=log, loader=iterable, **kw)
-        self._sweeper: Callable[[float], Sweep | None] | None = None
+        self._sweeper: Callable[[float, float], Sweep | None] | None = None
+        self._meter: LoadMeter | None = None   # from the first step: other processes' load
+        self._load: Load | None = None         # ... read when the iteration ended
 
     def __len__(self) -> int:
         # An iterable without len() raises TypeError here, as len() of it would.
@@ -358,18 +361,30 @@ class Watch:
         if not mon.loader:
             mon.loader = loader_settings(it)
         begin, end = mon.begin, mon.end
-        while True:
-            t = perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            mon._wait_before += perf_counter() - t    # between steps: counted to the next one
-            begin()
-            try:
-                yield item
-            finally:
-                end()
+        if self._meter is None:
+            self._meter = LoadMeter()
+        try:
+            while True:
+                t = perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                mon._wait_before += perf_counter() - t    # between steps: counted to the next
+                begin()
+                try:
+                    yield item
+                finally:
+                    end()
+        finally:                                  # the loop ended, or broke out (closed)
+            self._load = self._meter.read()
+
+    def load(self) -> Load | None:
+        """Other processes' load on this process's CPUs over the steps (Linux; None elsewhere):
+        from the first step to the end of the iteration, or until now while it goes on."""
+        if self._meter is None:
+            return None
+        return self._load or self._meter.read()
 
     def summary(self, skip: int = 0) -> MonitorSummary:
         return self.monitor.summary(skip)

@@ -226,6 +226,11 @@ def render_watch(w: Any) -> str:
     if m.steps == 0:
         return "syncless.watch: no step measured yet"
     lines = [f"syncless.watch: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)"]
+    load = w.load()
+    if load is not None and load.loaded:
+        lines[0] += " (measured under load)"
+        lines.insert(0, f"load: {load.text()}: the times below were measured under that load, "
+                        "and may differ without it")
     rows = [["data wait", f"{m.data_ms:.3f}", _pct(m.data_ms, m.step_ms)],
             ["CPU (step body)", f"{m.cpu_ms:.3f}", _pct(m.cpu_ms, m.step_ms)]]
     if m.gpu_ms is not None:
@@ -259,8 +264,12 @@ def watch_html(w: Any) -> str:
     cells = "".join(f"<tr><td>{html.escape(name)}</td><td style='text-align:right'>{ms:.3f}</td>"
                     f"<td style='text-align:right'>{_pct(ms, m.step_ms)}</td></tr>"
                     for name, ms in rows)
-    advice = render_watch(w).splitlines()[len(rows) + 3:]   # the lines below the table
-    return (f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)</p>"
+    text = render_watch(w).splitlines()
+    load = text[:1] if text[0].startswith("load: ") else []
+    advice = text[len(load) + len(rows) + 3:]              # the lines below the table
+    return ("".join(f"<p>{html.escape(line)}</p>" for line in load)
+            + f"<p><b>syncless.watch</b>: {m.steps} steps, {m.step_ms:.2f} ms/step (host wall)"
+            + (" (measured under load)" if load else "") + "</p>"
             f"<table><tr><th></th><th>ms/step</th><th>share</th></tr>{cells}</table>"
             + "".join(f"<p>{html.escape(line)}</p>" for line in advice))
 
