@@ -1,6 +1,6 @@
 """The doctor's measured worker count against the step measured with that many workers.
 
-    python -m benchmarks.doctor_sweep [--rounds N] [--out]
+    python -m benchmarks.doctor_sweep [--rounds N] [--hogs N] [--out]
 
 Two loaders of batch 4 and a tiny step (one Linear, forward, backward, SGD): samples that wait
 10 ms (storage: the workers need no CPU) and samples that compute 10 ms of CPU (decoding: torch on
@@ -8,7 +8,9 @@ one thread, so the workers get the CPUs left). Each round: syncless.watch() over
 num_workers=0, its report (which runs the worker sweep), then the plain loop timed with the
 prescribed count and with 0, 2, 4 and 8 workers (the median of three 1-s windows over whole rounds
 of batches each), in a shuffled order. Reported: the sweep, the count, the predicted step, and the
-measured one (medians over the rounds), with the other processes' load on the CPUs."""
+measured one (medians over the rounds), with the other processes' load on the CPUs. `--hogs N`
+keeps N other processes spinning on the CPUs throughout (a loaded host: the workers, the step and
+the hogs compete)."""
 from __future__ import annotations
 
 import random
@@ -95,9 +97,31 @@ def prescribed(dataset):
     return f.extra["workers_needed"], f.fixes[0].predicted_ms, f.extra.get("sweep")
 
 
+def _hog():
+    """A process spinning on a CPU, outside this process tree (started through a shell that
+    exits: the load meter counts it as another process's load, as a user's host would): its
+    pid."""
+    import subprocess
+    out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 "
+                          "& echo $!"], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
 def main(argv=None):
     p = arg_parser(__doc__, rounds=5)
+    p.add_argument("--hogs", type=int, default=0, help="processes spinning on the CPUs meanwhile")
     ns = p.parse_args(argv)
+    import os
+    import signal
+    hogs = [_hog() for _ in range(ns.hogs)]
+    try:
+        _rounds(ns)
+    finally:
+        for pid in hogs:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _rounds(ns):
     rounds = ns.rounds or (2 if ns.quick else 5)
     rng = random.Random(ns.seed)
     torch.set_num_threads(1)
@@ -145,8 +169,8 @@ def main(argv=None):
         if x["sweep"] is not None else f"- {name} round {i}: no finding"
         for name, rs in rows.items() for i, x in enumerate(rs))
     data = {"env": env_info(torch.device("cpu"), sys.argv, "benchmarks.doctor_sweep"),
-            "quick": ns.quick, "rounds": rounds, "rows": rows}
-    write_results(ns.out, "doctor_sweep", data, text + "\n\nThe sweeps (ms per batch by "
+            "quick": ns.quick, "rounds": rounds, "hogs": ns.hogs, "rows": rows}
+    write_results(ns.out, "doctor_sweep" + (f"_hogs{ns.hogs}" if ns.hogs else ""), data, text + "\n\nThe sweeps (ms per batch by "
                   "workers):\n\n" + sweeps)
 
 
