@@ -266,3 +266,26 @@ def test_nccl_ddp_1000_steps_reduced_exactly_with_zero_syncs(tmp_path, on):
     out = json.loads((tmp_path / "nccl.json").read_text())
     assert out["steps"] == list(range(steps))
     assert out["got"] == out["ref"]
+
+
+def test_a_rank_whose_loop_hangs_while_its_exchanges_go_on_is_named():
+    # The store says every rank began the exchange under way and every process is alive: the
+    # rank named is the one whose headers never said it was closing (its loop hangs; its
+    # exchange thread goes on). CI under a sanitizer hit this: the error named no rank.
+    import socket
+    from syncless import _ranks
+    store = dist.HashStore()
+    r = _ranks.Ranks.__new__(_ranks.Ranks)
+    r.rank, r.world, r._tag, r._store, r._exchange = 0, 3, "syncless/ranks/9", store, 109
+    for rank in range(3):
+        store.set(f"syncless/ranks/9/at/{rank}", "109")
+        store.set(f"syncless/ranks/9/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    r._open = [2]
+    err = str(r._missing_error("close_timeout passed"))
+    assert "missing rank 2 (its exchanges go on, but it never reached close())" in err, err
+    r._open = []
+    assert "missing a rank the store cannot name" in str(r._missing_error("x"))
+    store.set("syncless/ranks/9/at/1", "108")                # behind: named by its exchange
+    r._open = [1, 2]
+    err = str(r._missing_error("x"))
+    assert "missing rank 1 (last exchange: 108)" in err and "rank 2" not in err, err

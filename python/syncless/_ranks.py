@@ -135,6 +135,7 @@ class Ranks:
         self._prev_clock: tuple[int, float] | None = None  # last (step, clock_ms) sent
         self._streak: list[Any] = []      # [rank, since, steps, sum_ms, sum_median]
         self._rival: list[Any] = []       # another rank slowest at the latest steps
+        self._open: list[int] = []        # ranks not closing at the latest exchange's headers
         self._slowest_at: dict[int, int] = {}
         self._thread = threading.Thread(target=self._loop, name="syncless-ranks", daemon=True)
 
@@ -228,6 +229,7 @@ class Ranks:
                 self._exchange = e = self.exchanges
                 self._note(f"{self._tag}/at/{self.rank}", str(e))
                 heads = self._gather(torch.tensor(header, dtype=torch.int64))
+                self._open = [r for r, h in enumerate(heads) if not int(h[_CLOSING])]
                 frontier = min(int(h[_FRONTIER]) for h in heads)
                 everyone_closing = all(int(h[_CLOSING]) for h in heads)
                 differ = any((int(h[_NAMES]), int(h[_CRC])) != (header[_NAMES], header[_CRC])
@@ -484,8 +486,14 @@ class Ranks:
                 host, pid = where.rsplit(" ", 1)
                 if host == here and not _alive(int(pid)):
                     gone.append(f"rank {rank} (process {pid} is gone)")
+        # A rank whose loop hangs while its exchange thread goes on begins every exchange: it
+        # is the one that never began closing (CI, under a sanitizer: every rank had begun the
+        # exchange under way, and the error named none).
+        hung = [f"rank {r} (its exchanges go on, but it never reached close())"
+                for r in self._open if r != self.rank]
         who = "; ".join(gone + [b for b in behind if b.split(" (")[0] not in
-                                [g.split(" (")[0] for g in gone]]) or "a rank the store cannot name"
+                                [g.split(" (")[0] for g in gone]]) or "; ".join(hung) or \
+            "a rank the store cannot name"
         return RuntimeError(
             f"syncless.Logger(reduce=...): rank {self.rank} stopped reducing across ranks at "
             f"exchange {e}: missing {who} ({why}); it died or never reached close(). Rows not "
