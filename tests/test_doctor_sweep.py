@@ -35,11 +35,8 @@ def test_the_sweep_times_the_users_own_loader_and_leaves_its_rng_alone():
     s = _sweep.sweep(_sweep.recipe(loader), 15.0, CPUS)
     assert list(s.period_ms) in ([1, 2, 4], [1, 2, 4, 8]), s
     assert s.ended == f"stopped at {max(s.period_ms)} workers: they keep up with the step"
-    # 4 samples x 10 ms a batch per worker: 40 ms with one, halved by the first doubling; with
-    # 4 the batches come faster than the step takes them, and the period is the step's 15 ms.
-    assert s.period_ms[1] >= 39 and s.period_ms[2] <= 0.6 * s.period_ms[1], s.text()
-    assert 15.0 <= s.period_ms[max(s.period_ms)] <= 15.0 * _sweep.KEEPS + _sweep.KEEPS_MS, \
-        s.text()
+    # 4 samples x 10 ms a batch per worker: 40 ms with one, halved by each doubling.
+    assert s.period_ms[1] >= 39 and s.period_ms[4] <= 0.35 * s.period_ms[1], s.text()
     assert not s.computes and max(s.cpu_share.values()) < _sweep.COMPUTES, s.cpu_share
     # The prefetch, then whole rounds for at least 0.5 s (3 rounds of 40 ms take less).
     rounds = {k: (s.batches[k] - 2 * k) / k for k in s.period_ms}
@@ -72,12 +69,12 @@ def test_watch_prescribes_the_measured_workers_for_a_storage_bound_loader():
 
 @pytest.mark.slow
 @pytest.mark.timing
-def test_a_cpu_bound_loader_gets_the_workers_its_paced_sweep_measured():
-    # Workers that decode (10 ms of CPU a sample) compete for the CPUs with each other and with
-    # the step: the sweep, paced as the step (torch on one thread, a ~0.5-ms body), stops
-    # doubling once the period stops falling, and the count it prescribes is no more than the
-    # CPUs, its step predicted within 25% of the step measured with it. A cap of one CPU per
-    # torch thread prescribed nothing here, where 2 workers measured 41.3 -> 21.7 ms/step.
+def test_a_cpu_bound_loader_gets_the_workers_its_sweep_measured():
+    # Workers that decode (10 ms of CPU a sample) compete for the CPUs with each other: the
+    # count prescribed is no more than the CPUs (torch on one thread, a ~0.5-ms body), its step
+    # predicted within 25% of the step measured with it. A cap of one CPU per torch thread
+    # prescribed nothing here, where 2 workers measured 41.3 -> 21.7 ms/step. (How far the
+    # sweep doubles depends on the host's load: under load more processes win more CPU.)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -87,7 +84,6 @@ def test_a_cpu_bound_loader_gets_the_workers_its_paced_sweep_measured():
         assert f is not None and "sweep" in f.extra, d.report()
         sweep = f.extra["sweep"]
         assert sweep["cpu_share"][1] >= _sweep.COMPUTES, sweep
-        assert max(sweep["period_ms"]) <= 2 * CPUS, "a saturated sweep stops doubling"
         workers, predicted = f.extra["workers_needed"], f.fixes[0].predicted_ms
         assert workers in range(1, CPUS + 1), f.fixes[0]
         measured = measured_step(Decode(), workers, tiny_step())
@@ -97,8 +93,8 @@ def test_a_cpu_bound_loader_gets_the_workers_its_paced_sweep_measured():
 
 
 def test_a_cpu_loops_own_threads_keep_their_cpus_from_workers_that_compute():
-    # The paced sweep held one CPU for the step's busy time; torch's other threads run beside it
-    # for that share of the step, and workers that compute get only the CPUs left.
+    # Torch's threads keep CPUs busy for their share of the step; workers that compute get only
+    # the CPUs left (a loop on one thread leaves them all: its thread waits for the batch).
     from syncless.doctor.findings import starvation_finding
     s = _sweep.Sweep(period_ms={1: 40.0, 2: 20.5, 4: 20.0}, cpu_share={1: 0.95, 2: 0.9, 4: 0.5})
 
@@ -106,7 +102,7 @@ def test_a_cpu_loops_own_threads_keep_their_cpus_from_workers_that_compute():
         # a 45-ms step: 40 ms of data wait (made on the training thread), the body the rest
         return starvation_finding(40.0, 40.0 + body_ms, None, {"num_workers": 0}, cpus=4,
                                   data_cpu=1.0, trainer_cpus=trainer_cpus,
-                                  sweeper=lambda target, busy: s)
+                                  sweeper=lambda target: s)
     one = finding(1, 5.0)
     assert one.extra["workers_needed"] == 2 and one.fixes[0].predicted_ms == 20.5, one.fixes[0]
     busy = finding(4, 5.0)                      # 4 threads through the whole body: 4 CPUs
@@ -177,7 +173,7 @@ def test_side_loaders_pin_as_the_users_loader_does():
     assert r.pin_memory and not _sweep.recipe(DataLoader(Storage(), batch_size=4)).pin_memory
     assert r.loader(1).pin_memory
     s = _sweep.sweep(r, 50.0, CPUS)            # one worker (40 ms a batch) keeps up
-    assert list(s.period_ms) == [1] and 50.0 <= s.period_ms[1] <= 50 * _sweep.KEEPS + 1, s
+    assert list(s.period_ms) == [1] and 39.0 <= s.period_ms[1] <= 50.0, s
 
 
 def test_a_failing_dataset_ends_the_sweep_not_the_doctor():
@@ -190,7 +186,7 @@ def test_a_failing_dataset_ends_the_sweep_not_the_doctor():
     # Nothing measured: the finding falls back to the model, and says nothing of a sweep.
     from syncless.doctor.findings import starvation_finding
     f = starvation_finding(40.0, 42.0, None, {"num_workers": 0}, cpus=2, data_cpu=0.0,
-                           sweeper=lambda target, busy: s)
+                           sweeper=lambda target: s)
     assert "measured: side loaders" not in f.fixes[0] and f.extra["workers_needed"] is not None
 
 
@@ -210,7 +206,7 @@ def test_workers_that_win_nothing_leave_the_wait_ranked_not_predicted():
     from syncless.doctor.findings import starvation_finding
     s = _sweep.Sweep(period_ms={1: 125.0, 2: 124.0}, cpu_share={1: 0.9, 2: 0.5})
     f = starvation_finding(118.6, 121.9, None, {"num_workers": 0}, cpus=2, data_cpu=0.9,
-                           sweeper=lambda target, busy: s)
+                           sweeper=lambda target: s)
     assert f.fixes[0].predicted_ms is None and f.extra["workers_needed"] is None
     assert f.fixes[0].startswith("no worker count the sweep tried beyond num_workers=0 makes "
                                  "the step faster than its 121.90 ms (measured: "), f.fixes[0]

@@ -1,8 +1,6 @@
 """How many loader workers a step needs, measured rather than modelled: side loaders of the
-user's own dataset, sampler, batch size and collate with k workers, each timed while the training
-loop waits, taken at the step's pace: after each batch the taking thread holds its CPU for the
-step's own busy time and then waits out the rest of the step's own time, so that workers which
-compete with the step for the CPUs slow the timed period as they would slow the loop.
+user's own dataset, sampler, batch size and collate with k workers, each timed making batches as
+fast as the training thread takes them, while the training loop waits.
 
 A model (one worker's batch time over the step, capped by the CPUs) gets both kinds of loader
 wrong: workers that wait on storage need no CPU each (a 10-ms sleep per sample, batch 4, on 2
@@ -11,10 +9,7 @@ allowed one), and workers that decode compete for the CPUs with each other and w
 threads, so a count that the batch time asks for can deliver less than it promises.
 
 k doubles from 1 while each doubling still cuts the batch period to GAIN or less, until the
-loader keeps up with the step (its period within KEEPS of the step's own time), or the count
-reaches max_workers(), or the time is spent (SWEEP_S). Unpaced (batches taken as fast as they
-came, the step's time added afterwards), 8 waiting workers on a 2-core host predicted a 5.5-ms
-step where the loop took 9.0 (CI, under a sanitizer that slows every process).
+loader keeps up with the step, or the count reaches max_workers(), or the time is spent (SWEEP_S).
 Each k's side loader starts its workers as the user's would (forked on Linux, the loader's own
 multiprocessing context where it has one), serves the batches it asks for at the start (two per
 worker: their start and first batches), then rounds of one batch per worker (at least ROUNDS and
@@ -31,7 +26,7 @@ import statistics
 import sys
 import warnings
 from dataclasses import dataclass, field
-from time import perf_counter, sleep, thread_time
+from time import perf_counter
 from typing import Any, Callable, Iterator
 
 from ._loader import cpu_count, process_cpu_s
@@ -43,8 +38,6 @@ K_S = 2.0            # one worker count, past its prefetch, at most ...
 MIN_S = 0.5          # ... and at least (a loaded host's bursts even out over it)
 ROUNDS = 3           # rounds of k batches timed per count, at least
 GAIN = 0.85          # a doubling that does not cut the period to 85% ends the sweep (saturated)
-KEEPS = 1.05         # a period within 5% of the step's own time (+ KEEPS_MS): the loader keeps up
-KEEPS_MS = 0.1       # (a paced round overshoots the step's time by its sleeps' wake-up)
 CLOSE = 1.05         # the count prescribed: the fewest workers within 5% of the best step
 PREFETCH = 2         # the side loaders' prefetch_factor (DataLoader's default)
 COMPUTES = 0.25       # a worker on a CPU this share of its time computes (else it waits; a
@@ -153,8 +146,7 @@ class Sweep:
         return self.cpu_share[min(self.cpu_share)] >= COMPUTES
 
     def predicted_ms(self, workers: int, target_ms: float) -> float:
-        """The step with `workers` (measured): the period of batches taken at the step's pace,
-        never under the step's own time."""
+        """The step with `workers` (measured): the slower of the loader and the step's own time."""
         return max(self.period_ms[workers], target_ms)
 
     def choose(self, target_ms: float, most: int) -> int | None:
@@ -212,23 +204,8 @@ def _cpu(pids: list[int]) -> float | None:
     return total
 
 
-def _pace(began: float, busy_s: float, step_s: float) -> None:
-    """The step's own time after a batch taken at `began`: its CPU held for `busy_s` of this
-    thread's CPU time (a thread that is kept off its CPU takes longer, as the step would), then
-    a wait until `step_s` has passed since `began`."""
-    if busy_s > 0:
-        cpu = thread_time()
-        while thread_time() - cpu < busy_s:
-            pass
-    left = began + step_s - perf_counter()
-    if left > 0:
-        sleep(left)
-
-
-def _time(r: Recipe, k: int, deadline: float, step_s: float = 0.0,
-          busy_s: float = 0.0) -> tuple[float, float | None, int] | None:
-    """(ms per batch, CPU share per worker, batches taken) of a side loader of `k` workers, its
-    batches taken at the pace of a step of `step_s` (`busy_s` of it on the CPU, _pace); None
+def _time(r: Recipe, k: int, deadline: float) -> tuple[float, float | None, int] | None:
+    """(ms per batch, CPU share per worker, batches taken) of a side loader of `k` workers; None
     when the loader ran out or the time did before one timed round."""
     it: Any = None
     taken = 0
@@ -254,13 +231,11 @@ def _time(r: Recipe, k: int, deadline: float, step_s: float = 0.0,
                     ends.append(now)
                 if n >= ROUNDS * k and now - t0 >= MIN_S or n >= k and now - t0 >= K_S:
                     break
-            began = perf_counter()
             try:
                 next(it)
             except StopIteration:
                 break
             n += 1
-            _pace(began, busy_s, step_s)
         taken += n
         if n < 2:
             return None
@@ -279,13 +254,10 @@ def _time(r: Recipe, k: int, deadline: float, step_s: float = 0.0,
                 it._shutdown_workers()
 
 
-def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S,
-          busy_ms: float = 0.0) -> Sweep:
-    """Time side loaders of r with 1, 2, 4 ... workers, taken at the pace of a step of
-    `target_ms` (its own time, without the wait; `busy_ms` of it on the CPU), until one keeps
-    up with it, the period stops falling (GAIN), max_workers(cpus) is reached or `budget_s` is
-    spent."""
-    step_s, busy_s = target_ms / 1e3, min(busy_ms, target_ms) / 1e3
+def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S) -> Sweep:
+    """Time side loaders of r with 1, 2, 4 ... workers until one keeps up with a step of
+    `target_ms` (its own time, without the wait), the period stops falling (GAIN),
+    max_workers(cpus) is reached or `budget_s` is spent."""
     out = Sweep()
     began = perf_counter()
     deadline = began + budget_s
@@ -294,7 +266,7 @@ def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S,
     with _rng_kept(r):
         while True:
             try:
-                got = _time(r, k, deadline, step_s, busy_s)
+                got = _time(r, k, deadline)
             except Exception as e:                   # the user's dataset failed in a worker
                 out.ended = f"stopped: a side loader of {k} workers failed: {type(e).__name__}: {e}"
                 break
@@ -308,7 +280,7 @@ def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S,
             out.period_ms[k] = period
             if share is not None:
                 out.cpu_share[k] = share
-            if period <= KEEPS * target_ms + KEEPS_MS:
+            if period <= target_ms:
                 out.ended = f"stopped at {k} workers: they keep up with the step"
                 break
             if previous is not None and period > GAIN * previous:
@@ -323,16 +295,15 @@ def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S,
     return out
 
 
-def sweeper(r: Recipe | None,
-            cpus: int | None = None) -> Callable[[float, float], Sweep | None] | None:
-    """The sweep of `r` for the step's own time and busy time it is given, run once (later
-    calls: the same Sweep); None without a recipe."""
+def sweeper(r: Recipe | None, cpus: int | None = None) -> Callable[[float], Sweep | None] | None:
+    """The sweep of `r` for the step's own time it is given, run once (later calls: the same
+    Sweep); None without a recipe."""
     if r is None:
         return None
     done: list[Sweep] = []
 
-    def run(target_ms: float, busy_ms: float) -> Sweep:
+    def run(target_ms: float) -> Sweep:
         if not done:
-            done.append(sweep(r, target_ms, cpus or cpu_count(), busy_ms=busy_ms))
+            done.append(sweep(r, target_ms, cpus or cpu_count()))
         return done[0]
     return run

@@ -464,7 +464,7 @@ class Measured:
     model: Any = None                       # the outermost module called
     autocast: bool | None = None            # autocast on at its call
     handoff_ms: float | None = None         # taking one ready batch from a worker (measured)
-    sweeper: Callable[[float, float], Sweep | None] | None = None   # the loader's workers, measured
+    sweeper: Callable[[float], Sweep | None] | None = None   # the loader's workers, measured
 
     @property
     def cupti(self) -> bool:

@@ -99,18 +99,16 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                        cpus: int | None = None, data_cpu: float | None = None,
                        host_ms: float | None = None, trainer_cpus: int = 1,
                        handoff_ms: float | None = None,
-                       sweeper: Callable[[float, float], Sweep | None] | None = None
+                       sweeper: Callable[[float], Sweep | None] | None = None
                        ) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step); `handoff_ms`: what taking a
     ready batch from a worker costs the training thread (measured; None: not measured, taken
-    as 0), which the step still waits with workers that keep up. `sweeper(target_ms, busy_ms)`:
-    side loaders of the loader's own dataset timed with k workers, their batches taken at the
-    pace of a step of target_ms that holds a CPU for busy_ms (the step's body, its blocked syncs
-    out), until one keeps up (_sweep.py); where it measured, the worker count and the step it
-    predicts come from it, not from the model. It runs only where the wait is worth a finding
-    (MINOR_SHARE)."""
+    as 0), which the step still waits with workers that keep up. `sweeper(target_ms)`: side
+    loaders of the loader's own dataset timed with k workers until one keeps up with a step of
+    target_ms (_sweep.py); where it measured, the worker count and the step it predicts come from
+    it, not from the model. It runs only where the wait is worth a finding (MINOR_SHARE)."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
@@ -125,8 +123,7 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
     busy = min(target, max(0.0, host - data_ms))        # the body's time on the CPU
-    sweep = sweeper(target, busy) if sweeper is not None and wins >= MINOR_SHARE * step_ms \
-        else None
+    sweep = sweeper(target) if sweeper is not None and wins >= MINOR_SHARE * step_ms else None
     fixes: list[Fix] = []
     workers = plan.workers
     per = f"one worker makes a batch in {plan.per_batch_ms:.1f} ms"
@@ -195,20 +192,19 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
            loader: bool, busy_ms: float) -> tuple[int, bool, list[Fix]]:
     """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
     measured: the fewest workers whose step is within 5% of the best measured, the step
-    predicted as their period at the step's pace. The sweep's pace held one CPU for the step's
-    busy time (`busy_ms`): a loop on one thread (a GPU loop's host, or torch on one thread) was
-    in the measurement. A CPU loop's torch threads run beside it for that share of the step:
-    workers that compute get at most the CPUs those leave (2 cores, torch on 2 threads busy
-    through the step: none; 10 ms of decoding a sample for a 0.5-ms step on one thread: both,
-    measured 41.3 -> 21.7 ms/step where the old cap of one CPU per torch thread prescribed
-    none)."""
+    predicted as the slower of their batch period and the step's own time. Workers that compute
+    get at most the CPUs the step's torch threads leave, each thread counted for the share of
+    the step it is busy (`busy_ms`, the body less its blocked syncs): 2 cores, torch on 2
+    threads busy through the step: none; 10 ms of decoding a sample for a 0.5-ms step on one
+    thread: both, measured 41.3 -> 21.7 ms/step, where a cap of one CPU per torch thread
+    prescribed none."""
     workers, cpus = plan.workers, plan.cpus
     computes = sweep.computes
     share = sweep.cpu_share.get(min(sweep.cpu_share)) if sweep.cpu_share else None
     busy = f"{share:.0%} of their time on a CPU" if share is not None else "CPU time unread"
     plan.computes = computes
-    step_cpus = 0 if plan.trainer_cpus <= 1 else \
-        math.ceil(plan.trainer_cpus * min(1.0, busy_ms / target) - 0.05) if target > 0 else 0
+    step_cpus = math.ceil(plan.trainer_cpus * min(1.0, busy_ms / target) - 0.05) \
+        if target > 0 and plan.trainer_cpus > 1 else 0
     most = max(0, cpus - step_cpus) if computes else max_workers(cpus)
     plan.most = most
     measured = (f"measured: side loaders of this loader's dataset, sampler and collate made a "

@@ -66,7 +66,7 @@ class MonitorSummary:
     def data_share(self) -> float:
         return self.data_ms / self.step_ms if self.step_ms > 0 else 0.0
 
-    def findings(self, sweeper: Callable[[float, float], Sweep | None] | None = None
+    def findings(self, sweeper: Callable[[float], Sweep | None] | None = None
                  ) -> list[Finding]:
         """Data starvation, if fixing it wins back >= 1% of the step (the GPU span bounds it:
         a step can get no faster than its GPU work); `sweeper`: the loader's workers measured
@@ -347,7 +347,7 @@ class Watch:
                  **kw: Any):
         self.iterable = iterable
         self.monitor = monitor or StepMonitor(log=log, loader=iterable, **kw)
-        self._sweeper: Callable[[float, float], Sweep | None] | None = None
+        self._sweeper: Callable[[float], Sweep | None] | None = None
         self._meter: LoadMeter | None = None   # from the first step: other processes' load
         self._load: Load | None = None         # ... read when the iteration ended
 
