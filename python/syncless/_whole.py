@@ -111,7 +111,10 @@ class Whole:
         gate = self.gate
         self.gate = _locked()
         self._thread = None
-        gate.release()                       # wakes it: it finds its gate replaced, and ends
+        try:
+            gate.release()                   # wakes it: it finds its gate replaced, and ends
+        except RuntimeError:                 # already open: a call's hand-over woke it first
+            pass                             # (CI: "release unlocked lock" out of close())
 
     def forget(self) -> None:
         """In a forked child: the parent's helper does not run here."""
