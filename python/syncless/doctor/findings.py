@@ -122,7 +122,7 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     # `trainer_cpus`: the CPUs the training process keeps busy itself: one for a GPU loop's
     # host, torch's intra-op threads for a loop that computes on the CPU (the doctor says).
     plan = plan_workers(loader, data_ms, step_ms, target, cpus, data_cpu, trainer_cpus)
-    busy = min(target, max(0.0, host - data_ms))        # the body's time on the CPU
+    busy = min(target, max(0.0, host - data_ms))        # the body (wall), syncs and wait out
     sweep = sweeper(target) if sweeper is not None and wins >= MINOR_SHARE * step_ms else None
     fixes: list[Fix] = []
     workers = plan.workers
