@@ -69,9 +69,10 @@ CPU_BOUND_LOADER = """
 @pytest.mark.slow
 @pytest.mark.timing
 def test_verify_keeps_a_worker_only_when_it_wins_on_this_machine(tmp_path):
-    # A CPU loop whose batches are computed by torch: torch's threads take this machine's CPUs,
-    # so the doctor prescribes no worker without measuring, and --verify keeps one only when its
-    # paired runs' 95% interval says the loop got faster.
+    # A CPU loop whose batches are computed by torch: torch's threads take this machine's CPUs
+    # for the share of the step they are busy, so the doctor prescribes no worker without
+    # measuring one, and --verify keeps one only when its paired runs' 95% interval says the
+    # loop got faster.
     (tmp_path / "train.py").write_text(textwrap.dedent(CPU_BOUND_LOADER))
     r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--quick", "--verify",
                         "--json", "d.json", "train.py"], capture_output=True, text=True,
@@ -80,8 +81,13 @@ def test_verify_keeps_a_worker_only_when_it_wins_on_this_machine(tmp_path):
     d = json.loads((tmp_path / "d.json").read_text())
     [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
     import torch
+    first = f["fixes"][0]
     if torch.get_num_threads() >= len(os.sched_getaffinity(0)):
-        assert f["fixes"][0]["text"].startswith("no CPU is free for a worker"), f["fixes"]
+        # Either no CPU is left by torch's threads, or what the side loaders measured decides
+        # (a CPU is left where they are busy for part of the step only): never a count that
+        # the machine's CPUs alone suggest.
+        assert first["text"].startswith("no CPU is free for a worker") or \
+            "measured: side loaders" in first["text"], f["fixes"]
     v = f["verified"]
     assert v is not None and d["verify_runs"] >= 3, d["verify"]
     assert set(v["sweep"]) >= {"0", "1"}, v["sweep"]
