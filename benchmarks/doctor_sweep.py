@@ -2,9 +2,11 @@
 
     python -m benchmarks.doctor_sweep [--rounds N] [--hogs N] [--out]
 
-Two loaders of batch 4 and a tiny step (one Linear, forward, backward, SGD): samples that wait
-10 ms (storage: the workers need no CPU) and samples that compute 10 ms of CPU (decoding: torch on
-one thread, so the workers get the CPUs left). Each round: syncless.watch() over 12 steps with
+Loaders of batch 4: samples that wait 10 ms (storage: the workers need no CPU) and samples that
+compute 10 ms of CPU (decode: the workers get the CPUs the step leaves), both with a tiny step
+(one Linear, forward, backward, SGD) on one torch thread; and the decoding samples with a step
+that keeps torch's threads (one per CPU) busy, ~10 ms of matmuls on 2 cores (busy: the step and
+the workers compete for the CPUs, which the doctor does not measure). Each round: syncless.watch() over 12 steps with
 num_workers=0, its report (which runs the worker sweep), then the plain loop timed with the
 prescribed count and with 0, 2, 4 and 8 workers (the median of three 1-s windows over whole rounds
 of batches each), in a shuffled order. Reported: the sweep, the count, the predicted step, and the
@@ -59,6 +61,18 @@ def tiny_step():
     return step
 
 
+def busy_step():
+    """A CPU loop's step on torch's threads: ~10 ms wall, ~17 ms of CPU on 2 cores."""
+    a = torch.randn(384, 384)
+
+    def step(batch):
+        x = a
+        for _ in range(12):
+            x = torch.tanh(x @ a)
+        return x
+    return step
+
+
 def measured(dataset, workers, step, seconds=1.0, repeats=3):
     """ms/step of the plain loop with `workers` workers: past the prefetch, whole rounds."""
     with warnings.catch_warnings():
@@ -80,9 +94,8 @@ def measured(dataset, workers, step, seconds=1.0, repeats=3):
     return statistics.median(readings)
 
 
-def prescribed(dataset):
+def prescribed(dataset, step):
     """(workers, predicted ms, sweep) from syncless.watch()'s report."""
-    step = tiny_step()
     w = syncless.watch(DataLoader(dataset, batch_size=4))
     for i, batch in enumerate(w):
         step(batch)
@@ -124,17 +137,22 @@ def main(argv=None):
 def _rounds(ns):
     rounds = ns.rounds or (2 if ns.quick else 5)
     rng = random.Random(ns.seed)
-    torch.set_num_threads(1)
-    cases = {"storage": Storage(), "decode": Decode()}
+    import os
+    cpus = len(os.sched_getaffinity(0))
+    # name: (dataset, step factory, torch threads)
+    cases = {"storage": (Storage(), tiny_step, 1), "decode": (Decode(), tiny_step, 1),
+             "busy": (Decode(), busy_step, cpus)}
     rows: dict[str, list[dict]] = {name: [] for name in cases}
     for r in range(rounds):
         for name in rng.sample(list(cases), len(cases)):
+            dataset, make_step, threads = cases[name]
+            torch.set_num_threads(threads)
             meter = LoadMeter()
-            k, predicted, sweep = prescribed(cases[name])
+            k, predicted, sweep = prescribed(dataset, make_step())
             counts = sorted({0, 1, 2, 4, 8, k or 0})
             steps = {}
             for n in rng.sample(counts, len(counts)):
-                steps[n] = measured(cases[name], n, tiny_step())
+                steps[n] = measured(dataset, n, make_step())
             load = meter.read()
             rows[name].append({"workers": k, "predicted_ms": predicted, "sweep": sweep,
                                "measured_ms": steps, "other_cpus": load.other_cpus

@@ -93,16 +93,17 @@ def test_a_cpu_bound_loader_gets_the_workers_its_sweep_measured():
 
 
 def test_a_cpu_loops_own_threads_keep_their_cpus_from_workers_that_compute():
-    # Torch's threads keep CPUs busy for their share of the step; workers that compute get only
-    # the CPUs left (a loop on one thread leaves them all: its thread waits for the batch).
+    # Torch's threads keep CPUs busy for their share of the step (or the CPU time measured in
+    # its body); workers that compute get only the CPUs left (a loop on one thread leaves them
+    # all: its thread waits for the batch).
     from syncless.doctor.findings import starvation_finding
     s = _sweep.Sweep(period_ms={1: 40.0, 2: 20.5, 4: 20.0}, cpu_share={1: 0.95, 2: 0.9, 4: 0.5})
 
-    def finding(trainer_cpus, body_ms):
+    def finding(trainer_cpus, body_ms, body_cpu_ms=None):
         # a 45-ms step: 40 ms of data wait (made on the training thread), the body the rest
         return starvation_finding(40.0, 40.0 + body_ms, None, {"num_workers": 0}, cpus=4,
                                   data_cpu=1.0, trainer_cpus=trainer_cpus,
-                                  sweeper=lambda target: s)
+                                  sweeper=lambda target: s, body_cpu_ms=body_cpu_ms)
     one = finding(1, 5.0)
     assert one.extra["workers_needed"] == 2 and one.fixes[0].predicted_ms == 20.5, one.fixes[0]
     busy = finding(4, 5.0)                      # 4 threads through the whole body: 4 CPUs
@@ -112,6 +113,17 @@ def test_a_cpu_loops_own_threads_keep_their_cpus_from_workers_that_compute():
         "busy through the step" in busy.fixes[0], busy.fixes[0]
     half = finding(2, 5.0)                      # 2 threads: 2 CPUs busy, 2 left
     assert half.extra["workers_needed"] == 2, half.fixes[0]
+    # Measured (a CPU loop's body CPU time, all threads): 4 threads that keep 1 CPU busy over
+    # the 5-ms body leave 3; 20 ms of CPU time in 5 ms keep all 4.
+    small_ops = finding(4, 5.0, body_cpu_ms=5.2)
+    assert small_ops.extra["workers_needed"] == 2, small_ops.fixes[0]
+    full = finding(4, 5.0, body_cpu_ms=19.5)
+    assert full.fixes[0].startswith("no CPU is free for a worker"), full.fixes[0]
+    assert "the step keeps 4 of this machine's 4 CPUs busy (measured: its body takes 19.50 ms " \
+        "of CPU time, torch's 4 threads included)" in full.fixes[0], full.fixes[0]
+    assert "--verify times the loop itself" in full.fixes[0]
+    # One thread leaves every CPU, measured or not: it waits while the batch is made.
+    assert finding(1, 5.0, body_cpu_ms=5.0).extra["workers_needed"] == 2
 
 
 SCRIPT = """

@@ -1,9 +1,12 @@
 """The step monitor's GPU sampling: how often it records events, and what it reports then."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+import syncless
 from syncless.doctor import watch
 from syncless.doctor.monitor import _MAX_EVERY, GPU_BUDGET, StepMonitor, sampling_interval
 
@@ -30,6 +33,39 @@ def test_cpu_loop_records_every_step_without_gpu_timing():
     assert sum(1 for _ in w) == 50
     m = w.summary()
     assert m.steps == 50 and m.gpu_ms is None and m.gpu_steps == 0 and w.monitor.untimed == 0
+
+
+def _spin(seconds):
+    """Burn `seconds` of this thread's CPU time."""
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
+        pass
+
+
+class Spinning(torch.utils.data.Dataset):         # 3 ms of CPU a sample: 12 ms a batch of 4
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        _spin(0.003)
+        return torch.zeros(2)
+
+
+def test_a_cpu_loops_body_cpu_time_leaves_the_batchs_making_out():
+    # The CPU time of the step body (what the doctor counts as CPUs the step keeps busy),
+    # read around each step on a CPU loop: the batch made on the training thread is not in it,
+    # whether it is made between steps (watch) or inside one (the doctor's hooked DataLoader).
+    w = watch(torch.utils.data.DataLoader(Spinning(), batch_size=4))
+    for i, _ in enumerate(w):
+        _spin(0.004)
+        if i == 10:
+            break
+    body = w.summary(skip=1).body_cpu_ms
+    assert body is not None and 3.9 <= body <= 6.0, body
+    d = syncless.doctor(lambda batch: _spin(0.004), steps=6, warmup=1, audit_steps=1,
+                        file=None, loader=torch.utils.data.DataLoader(Spinning(), batch_size=4))
+    body = d.summary.body_cpu_ms
+    assert body is not None and 3.9 <= body <= 6.0, (body, d.report())
 
 
 @pytest.mark.cuda

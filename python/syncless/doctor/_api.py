@@ -8,7 +8,7 @@ One implementation: what the report says of a script it says of a step function.
 from __future__ import annotations
 
 import sys
-from time import perf_counter, thread_time
+from time import perf_counter, process_time, thread_time
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from ._boundary import MARKER
@@ -87,11 +87,11 @@ def _loop(session: ScriptSession, train_step: Callable[..., Any],
     def fetch() -> Any:
         if hooked:
             return next(batches)
-        t, c = perf_counter(), thread_time()
+        t, c, own = perf_counter(), thread_time(), process_time()
         batch = next(batches)
         wall = perf_counter() - t
         session.feed.add_data_wait(wall)
-        session.feed.add_data_cpu(wall, thread_time() - c)
+        session.feed.add_data_cpu(wall, thread_time() - c, process_time() - own)
         return batch
 
     def loop_over_batches() -> None:

@@ -147,11 +147,11 @@ class Feed:
         recs = sorted(self.loaders.values(), key=lambda r: -r.calls)
         return recs[0].spec if recs else None
 
-    def add_data_cpu(self, wall: float, cpu: float) -> None:
+    def add_data_cpu(self, wall: float, cpu: float, own: float | None = None) -> None:
         # The monitored steps' only: in the warm-up, spawned workers still import torch (CPU
         # they spend once, not per batch).
         if self.s.phase == "monitor":
-            self.s.monitor.add_data_cpu(wall, cpu)
+            self.s.monitor.add_data_cpu(wall, cpu, own)
             if self._last is not None:
                 self._last.data_wall_s += wall
                 self._last.data_cpu_s += cpu

@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping
-from time import perf_counter, thread_time
+from time import perf_counter, process_time, thread_time
 from typing import Any, Callable, Iterator
 
 __all__ = ["cpu_count", "ready_batches", "loader_settings", "timed_dataloaders", "WorkerPlan",
@@ -240,7 +240,7 @@ def timed_dataloaders(monitor: Any,
                 return original(self)
             finally:
                 monitor.add_data_wait(perf_counter() - t)
-        t, c = perf_counter(), thread_time()
+        t, c, own = perf_counter(), thread_time(), process_time()
         batch = None
         try:
             batch = original(self)
@@ -252,7 +252,7 @@ def timed_dataloaders(monitor: Any,
             monitor.add_data_wait(wall)
             if hasattr(monitor, "add_data_cpu"):
                 if self._num_workers == 0:
-                    monitor.add_data_cpu(wall, thread_time() - c)
+                    monitor.add_data_cpu(wall, thread_time() - c, process_time() - own)
                 else:
                     _add_worker_cpu(self)
             if not monitor.loader:

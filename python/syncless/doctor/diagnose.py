@@ -642,7 +642,8 @@ def _rank(d: Diagnosis, m: Measured, every_step: bool, optimizers: list[Any],
     f = starvation_finding(summary.data_ms, step, G, summary.loader, cuda=m.gpu, copy_ms=copy_ms,
                            data_cpu=summary.data_cpu, host_ms=d.host_ms,
                            trainer_cpus=1 if m.gpu else torch.get_num_threads(),
-                           handoff_ms=m.handoff_ms, sweeper=m.sweeper)
+                           handoff_ms=m.handoff_ms, sweeper=m.sweeper,
+                           body_cpu_ms=None if m.gpu else summary.body_cpu_ms)
     if f:
         findings.append(f)
     elif m.handoff_ms is not None and 0.05 <= summary.data_ms <= m.handoff_ms:

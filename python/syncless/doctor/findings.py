@@ -99,8 +99,8 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
                        cpus: int | None = None, data_cpu: float | None = None,
                        host_ms: float | None = None, trainer_cpus: int = 1,
                        handoff_ms: float | None = None,
-                       sweeper: Callable[[float], Sweep | None] | None = None
-                       ) -> Finding | None:
+                       sweeper: Callable[[float], Sweep | None] | None = None,
+                       body_cpu_ms: float | None = None) -> Finding | None:
     """The loader makes the step wait `data_ms`; `copy_ms` is the blocked time of the batch's own
     pageable copy (removed by pin_memory + non_blocking, which the fix includes); `host_ms` is
     the step less its time blocked in syncs (None: the whole step); `handoff_ms`: what taking a
@@ -108,7 +108,9 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     as 0), which the step still waits with workers that keep up. `sweeper(target_ms)`: side
     loaders of the loader's own dataset timed with k workers until one keeps up with a step of
     target_ms (_sweep.py); where it measured, the worker count and the step it predicts come from
-    it, not from the model. It runs only where the wait is worth a finding (MINOR_SHARE)."""
+    it, not from the model. It runs only where the wait is worth a finding (MINOR_SHARE).
+    `body_cpu_ms`: the CPU time of this process in the step body (a CPU loop's, measured by the
+    monitor; None: not measured): how many CPUs the step leaves workers that compute."""
     if step_ms <= 0 or data_ms < 0.05:
         return None
     pin = cuda and bool(loader) and not loader.get("pin_memory")
@@ -132,7 +134,7 @@ def starvation_finding(data_ms: float, step_ms: float, gpu_ms: float | None,
     need = f"the step needs one every {target:.2f} ms"
     if sweep is not None and sweep.period_ms:
         plan.needed, plan.enough, fixes = _swept(sweep, plan, target, step_ms, bool(loader),
-                                                 busy)
+                                                 busy, body_cpu_ms)
     elif plan.enough:
         what = (f"num_workers={plan.needed}" if loader else
                 f"wrap the dataset in a DataLoader with num_workers={plan.needed}")
@@ -188,36 +190,59 @@ CHEAPER = ("make batches cheaper: decode at a lower resolution or with a faster 
            "tensors, a memory-mapped array) so that workers only read")
 
 
+def step_cpus(target: float, trainer_cpus: int, cpus: int, busy_ms: float,
+              body_cpu_ms: float | None) -> tuple[int, str]:
+    """The CPUs a step of `target` ms keeps busy, and how that was found. None where torch runs
+    on one thread, or for a GPU loop's host: that thread waits while a batch is made (decoding
+    10 ms a sample for a 0.5-ms step: 2 workers on 2 cores, 41 -> 22 ms/step, measured). Else
+    the CPU time its body took (`body_cpu_ms`, all of the process's threads, measured on a CPU
+    loop) spread over the step; unmeasured, each of torch's `trainer_cpus` threads counted for
+    the share of the step the body is busy (`busy_ms`: the body less its blocked syncs).
+    Where the step and the workers compete for the CPUs the doctor measures neither (on 2 cores,
+    10 ms of matmuls on 2 threads a step and decoding workers: 0 workers 54.2 ms/step, 1: 56.8,
+    2: 37.1; benchmarks/doctor_sweep.py's "busy"): it then prescribes none, and --verify times
+    the counts."""
+    if target <= 0 or trainer_cpus <= 1:
+        return 0, ""
+    if body_cpu_ms is not None:
+        n = min(cpus, max(0, math.ceil(body_cpu_ms / target - 0.05)))
+        return n, (f"the step keeps {n} of this machine's {cpus} CPUs busy (measured: its body "
+                   f"takes {body_cpu_ms:.2f} ms of CPU time, torch's {trainer_cpus} threads "
+                   "included)")
+    n = math.ceil(trainer_cpus * min(1.0, busy_ms / target) - 0.05)
+    return n, (f"torch's own {trainer_cpus} threads (torch.get_num_threads()) keep {n} of this "
+               f"machine's {cpus} CPUs busy through the step")
+
+
 def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
-           loader: bool, busy_ms: float) -> tuple[int, bool, list[Fix]]:
+           loader: bool, busy_ms: float, body_cpu_ms: float | None = None
+           ) -> tuple[int, bool, list[Fix]]:
     """(workers needed, whether more workers are prescribed, the fixes) from what the sweep
     measured: the fewest workers whose step is within 5% of the best measured, the step
     predicted as the slower of their batch period and the step's own time. Workers that compute
-    get at most the CPUs the step's torch threads leave, each thread counted for the share of
-    the step it is busy (`busy_ms`, the body less its blocked syncs): 2 cores, torch on 2
-    threads busy through the step: none; 10 ms of decoding a sample for a 0.5-ms step on one
-    thread: both, measured 41.3 -> 21.7 ms/step, where a cap of one CPU per torch thread
-    prescribed none."""
+    get at most the CPUs the step leaves (step_cpus)."""
     workers, cpus = plan.workers, plan.cpus
     computes = sweep.computes
     share = sweep.cpu_share.get(min(sweep.cpu_share)) if sweep.cpu_share else None
     busy = f"{share:.0%} of their time on a CPU" if share is not None else "CPU time unread"
     plan.computes = computes
-    step_cpus = math.ceil(plan.trainer_cpus * min(1.0, busy_ms / target) - 0.05) \
-        if target > 0 and plan.trainer_cpus > 1 else 0
-    most = max(0, cpus - step_cpus) if computes else max_workers(cpus)
+    kept, how = step_cpus(target, plan.trainer_cpus, cpus, busy_ms, body_cpu_ms)
+    most = max(0, cpus - kept) if computes else max_workers(cpus)
     plan.most = most
     measured = (f"measured: side loaders of this loader's dataset, sampler and collate made a "
                 f"batch every {sweep.text()}; the workers {'compute' if computes else 'wait'} "
                 f"({busy})")
     need = f"the step needs one every {target:.2f} ms"
+    if computes and most < max(sweep.period_ms):
+        need += (f"; at most {most} worker{'s' if most != 1 else ''} can compute beside it"
+                 + (f", as {how}" if how else f" on this machine's {cpus} CPUs"))
     k = sweep.choose(target, most)
     if k is None:
         return 0, False, [Fix(
-            f"no CPU is free for a worker: the workers compute ({busy}), and torch's own "
-            f"{plan.trainer_cpus} threads (torch.get_num_threads()) keep {step_cpus} of this "
-            f"machine's {cpus} CPUs busy through the step, so a worker would take its CPU from "
-            f"the step ({measured}); {CHEAPER}", None,
+            f"no CPU is free for a worker: the workers compute ({busy}), and {how}, so a "
+            f"worker would take its CPU from the step ({measured}); {CHEAPER}. How the step "
+            "and workers share the CPUs is not measured here: python -m syncless doctor "
+            "--verify times the loop itself with 1, 2, 4 ... workers, up to the CPUs", None,
             "workers")]
     predicted = sweep.predicted_ms(k, target)
     keeps = sweep.period_ms[k] <= 1.1 * target      # with 10% to spare: batch times jitter
@@ -232,9 +257,7 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
            "the iterator makes each batch on the training thread")
     what = (f"num_workers={k}" if loader else
             f"wrap the dataset in a DataLoader with num_workers={k}")
-    cap = (f"; at most the {most} CPUs torch's threads leave busy, as they compute"
-           if computes and most < max(sweep.period_ms) else "")
-    text = f"{now}: {what} ({measured}; {need}{cap}; this machine has {cpus} CPUs)"
+    text = f"{now}: {what} ({measured}; {need}; this machine has {cpus} CPUs)"
     if not keeps and computes:
         text += f"; the loader is still the slower side with {k}: {CHEAPER}"
     elif not keeps:
