@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from syncless.doctor._load import Load, LoadMeter, tree_cpu_s
 
@@ -95,6 +96,25 @@ def test_the_load_line_and_the_json():
     assert not Load(12.0, 2, 1.0, 0.3).loaded, "less than half a CPU: not loaded"
     assert not Load(12.0, 16, 1.0, 3.9).loaded and Load(12.0, 16, 1.0, 4.0).loaded
     assert not Load(0.4, 2, 0.0, 2.0).loaded, "under MIN_WALL_S: the ticks cannot tell"
+
+
+def test_verification_under_load_says_so_above_its_results():
+    # Seen: other processes on 0.83 of 2 CPUs during --verify, every run of a CPU loop 4x slower
+    # than quiet, and a worker count kept that loses on the quiet host.
+    import syncless
+    x = torch.randn(16, 16)
+    d = syncless.doctor(lambda: torch.tanh(x @ x), steps=4, warmup=1, audit_steps=1, file=None)
+    d.verify_lines = ["num_workers=2, persistent_workers=True: 48.78 -> 35.78 ms/step: kept"]
+    d.verify_runs = (9, 29.0)
+    d.verify_load = Load(29.0, 2, 1.0, 0.9)
+    text = d.report()
+    assert "  (measured under load: other processes kept 0.9 of the 2 CPUs this process may " \
+        "use busy during the run (29 s;" in text, text
+    assert text.index("measured under load") < text.index("48.78 -> 35.78"), text
+    assert d.as_dict()["verify_load"] == {"wall_s": 29.0, "cpus": 2, "own_cpus": 1.0,
+                                          "other_cpus": 0.9, "loaded": True}
+    d.verify_load = Load(29.0, 2, 1.0, 0.2)
+    assert "measured under load" not in d.report()
 
 
 SCRIPT = """

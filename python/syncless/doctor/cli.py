@@ -36,6 +36,7 @@ from typing import Callable
 from . import _verify
 from ._boundary import parse_step_at
 from ._isolate import Watch
+from ._load import LoadMeter
 from ._scratch import Scratch
 from ._loader import cpu_count
 from ._session import ScriptSession
@@ -201,7 +202,9 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
             if estimate > VERIFY_BUDGET_S:
                 d.verify_lines = [_over_budget(runs, estimate, v.last_s)]
                 return
+        meter = LoadMeter()
         d.verify_lines = _verify.verify(d, v, loader, cpus)
+        d.verify_load = meter.read()
         d.verify_runs = (v.runs, v.seconds)
         d.verify_where = (f"each in a fresh copy of the working directory under {scratch.root} "
                           "(removed), trackers off" + (f"; not isolated: {why}" if why else ""))

@@ -198,6 +198,13 @@ def render_doctor(d: Any) -> str:
                      "paired, interleaved; 95% intervals):")
         if d.verify_where:
             lines.append(f"  (runs {d.verify_where})")
+        load = getattr(d, "verify_load", None)
+        if load is not None and load.loaded:
+            # Seen: other processes on 0.83 of 2 CPUs, every run of a CPU loop 4x slower than
+            # on the quiet host, and a worker count kept that loses there.
+            lines.append(f"  (measured under load: {load.text()}; the pairs are interleaved, so "
+                         "both sides of each met it, but on a quiet host the sizes and the "
+                         "count that wins may differ)")
         lines += [f"  - {line}" for line in d.verify_lines]
     if d.speedups:
         lines.append("")
