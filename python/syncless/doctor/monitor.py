@@ -127,9 +127,10 @@ class _GpuTiming:
             self._start(step)
 
     @property
-    def off(self) -> bool:
-        """Decided not to time the GPU: the loop runs on the CPU (or gpu=False)."""
-        return self._state == -1
+    def on(self) -> bool:
+        """Timing the GPU: the loop has initialised CUDA (and gpu=False was not asked). Until
+        then, and on a host without CUDA, the loop runs on the CPU."""
+        return self._state == 1
 
     def end(self, step: int, wall: float) -> None:
         if self._pair is not None or self._pending:
@@ -236,7 +237,8 @@ class StepMonitor:
         self.data_s: collections.deque[float] = collections.deque(maxlen=history)
         self.cpu_s: collections.deque[float] = collections.deque(maxlen=history)
         # Process CPU time of each step body, the data loading inside it out (NaN: unmeasured):
-        # read only where the GPU is not timed, at ~0.4 µs a read.
+        # read only while the GPU is not timed (a CPU loop, even on a host with CUDA), at ~0.4
+        # µs a read.
         self.body_cpu_s: collections.deque[float] = collections.deque(maxlen=history)
         self._c0: float | None = None         # process CPU time at the open step's start
         self._cpu_inside = 0.0                # data loading's CPU time inside the open step
@@ -272,7 +274,7 @@ class StepMonitor:
 
     def begin(self) -> None:
         self._gpu.begin(self.steps)
-        self._c0 = process_time() if self._gpu.off else None
+        self._c0 = None if self._gpu.on else process_time()
         self._t0 = perf_counter()             # after the event call: it is the monitor's cost
 
     def end(self) -> None:
