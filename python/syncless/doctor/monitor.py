@@ -120,17 +120,17 @@ class _GpuTiming:
         # is the GPU's pace (the next kernel launch would pay it), not the monitor's cost.
         self._costs: collections.deque[float] = collections.deque(maxlen=16)
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int) -> bool:
+        """Start the step's GPU timing where it is due; whether the loop's GPU is timed (it has
+        initialised CUDA, and gpu=False was not asked; until then, and on a host without CUDA,
+        the loop runs on the CPU)."""
         if self._state == 0:
             self._decide()
-        if self._state == 1 and step >= self._next_timed:
+        if self._state != 1:
+            return False
+        if step >= self._next_timed:
             self._start(step)
-
-    @property
-    def on(self) -> bool:
-        """Timing the GPU: the loop has initialised CUDA (and gpu=False was not asked). Until
-        then, and on a host without CUDA, the loop runs on the CPU."""
-        return self._state == 1
+        return True
 
     def end(self, step: int, wall: float) -> None:
         if self._pair is not None or self._pending:
@@ -273,8 +273,7 @@ class StepMonitor:
             self._wait_inside += seconds
 
     def begin(self) -> None:
-        self._gpu.begin(self.steps)
-        self._c0 = None if self._gpu.on else process_time()
+        self._c0 = None if self._gpu.begin(self.steps) else process_time()
         self._t0 = perf_counter()             # after the event call: it is the monitor's cost
 
     def end(self) -> None:
