@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import pickle
+import signal
 import statistics
 import subprocess
 import sys
@@ -387,8 +388,19 @@ def _doctor(cwd: str, script: str, args: list, *options, timeout: float = 900) -
     if os.path.exists(out):
         os.remove(out)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "syncless", "doctor", "--json", out, *options,
-                        script, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    # Its own process group: a doctor past `timeout` is killed with the workers and verifying
+    # runs it started, which would hold the GPU and the CPUs through the next script.
+    p = subprocess.Popen([sys.executable, "-m", "syncless", "doctor", "--json", out, *options,
+                          script, *args], cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        return {"error": f"killed after {timeout:.0f} s: {(stderr or stdout)[-1500:]}",
+                "seconds": time.perf_counter() - t}
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     seconds = time.perf_counter() - t
     if not os.path.exists(out):
         return {"error": (r.stderr or r.stdout)[-2000:], "seconds": seconds}
@@ -455,15 +467,16 @@ def _verified_gain(d: dict) -> dict:
 
 
 def run_case(name: str, device: str, pairs: int, verify: bool | None,
-             quick: bool = True) -> dict:
+             quick: bool = True, timeout: float = 900) -> dict:
     """`verify`: True (--verify), False (--no-verify), None (the doctor's default)."""
     folder, script, cpu_args, cuda_args, fixes = CASES[name]
     cwd = os.path.join(DEST, folder)
     args = cuda_args if device == "cuda" else cpu_args
     res = {"script": f"{folder}/{script}", "args": args}
-    quick_run = _doctor(cwd, script, args, "--quick", "--no-verify") if quick else {}
+    quick_run = _doctor(cwd, script, args, "--quick", "--no-verify",
+                        timeout=timeout) if quick else {}
     flag = [] if verify is None else ["--verify"] if verify else ["--no-verify"]
-    full = _doctor(cwd, script, args, *flag)
+    full = _doctor(cwd, script, args, *flag, timeout=timeout)
     keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
             "periodic", "boundary", "warmup_steps", "seconds", "verify", "verify_runs",
             "verify_seconds", "verify_where", "error", "notes")
@@ -521,6 +534,8 @@ def main(argv: list | None = None) -> int:
     pr.add_argument("--no-quick", action="store_true", help="skip the --quick run")
     pr.add_argument("--budget-s", type=float, default=1e9,
                     help="start no new script after this many seconds")
+    pr.add_argument("--timeout-s", type=float, default=900,
+                    help="kill a doctor run (and what it started) after this many seconds")
     pr.add_argument("--out", default=None)
     pr.add_argument("--append", action="store_true",
                     help="keep the cases already in --out (runs split over several commands)")
@@ -546,7 +561,7 @@ def main(argv: list | None = None) -> int:
         t = time.perf_counter()
         try:
             results["cases"][name] = run_case(name, ns.device, ns.pairs, ns.verify,
-                                              quick=not ns.no_quick)
+                                              quick=not ns.no_quick, timeout=ns.timeout_s)
         except Exception as e:                     # one script's failure is its result
             results["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
         results["cases"][name]["case_seconds"] = time.perf_counter() - t
