@@ -389,17 +389,24 @@ def _doctor(cwd: str, script: str, args: list, *options, timeout: float = 900) -
         os.remove(out)
     t = time.perf_counter()
     # Its own process group: a doctor past `timeout` is killed with the workers and verifying
-    # runs it started, which would hold the GPU and the CPUs through the next script.
-    p = subprocess.Popen([sys.executable, "-m", "syncless", "doctor", "--json", out, *options,
-                          script, *args], cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # runs it started, which would hold the GPU and the CPUs through the next script; first
+    # SIGABRT, which faulthandler answers with every thread's stack (where it was stuck).
+    p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "syncless", "doctor",
+                          "--json", out, *options, script, *args], cwd=cwd,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.kill(p.pid, signal.SIGABRT)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
-        return {"error": f"killed after {timeout:.0f} s: {(stderr or stdout)[-1500:]}",
-                "seconds": time.perf_counter() - t}
+        return {"error": f"killed after {timeout:.0f} s; stdout: {stdout[-1500:]}; stderr: "
+                         f"{stderr[-5000:]}", "seconds": time.perf_counter() - t}
     r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     seconds = time.perf_counter() - t
     if not os.path.exists(out):
@@ -479,7 +486,7 @@ def run_case(name: str, device: str, pairs: int, verify: bool | None,
     full = _doctor(cwd, script, args, *flag, timeout=timeout)
     keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
             "periodic", "boundary", "warmup_steps", "seconds", "verify", "verify_runs",
-            "verify_seconds", "verify_where", "error", "notes")
+            "verify_seconds", "verify_where", "error", "notes", "report")
     res["quick"] = {k: quick_run.get(k) for k in keep} if quick else None
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",

@@ -503,6 +503,9 @@ class _SlowSink(Collect):
         super().write(rows)
 
 
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+
+
 def _pinned_handouts() -> int:
     stats = torch.cuda.host_memory_stats()
     return stats.get("active_requests.allocated", stats.get("num_host_alloc", 0))
@@ -511,7 +514,9 @@ def _pinned_handouts() -> int:
 @pytest.mark.cuda
 def test_cuda_max_delay_flushes_inside_a_compiled_step_make_no_blocking_call():
     """The same run under syncless.audit (CUPTI, the training thread's every driver call): no
-    sync, no blocking copy, and no call that took over 1 ms (a pinned allocation was one)."""
+    sync, no blocking copy, and no call but a kernel launch that took over 1 ms (a pinned
+    allocation was one; a launch waits for a GPU that other processes share: 2.0 ms in an H100
+    run with 4 test processes)."""
     sink = _SlowSink()
     log = syncless.Logger(every=64, sinks=sink, max_delay=0.002)
     fn = torch.compile(step_fn(log), fullgraph=True)
@@ -529,7 +534,8 @@ def test_cuda_max_delay_flushes_inside_a_compiled_step_make_no_blocking_call():
     windows = log.stats.windows
     log.close()
     assert windows > 400 // 64 + 2
-    assert (a.sites, a.slow, a.unattributed) == ({}, {}, 0), a.report()
+    assert (a.sites, a.unattributed) == ({}, 0), a.report()
+    assert all(set(s.what) <= LAUNCHES for s in a.slow.values()), a.report()
 
 
 @pytest.mark.cuda

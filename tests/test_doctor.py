@@ -952,8 +952,12 @@ def in_fresh_process(request) -> bool:
     the CUPTI audit itself runs where nothing took it yet."""
     if os.environ.get("SYNCLESS_TEST_FRESH"):
         return False
-    env = dict(os.environ, SYNCLESS_TEST_FRESH="1", NCCL_NVLS_ENABLE="0")
+    # Not an xdist worker's environment (under `pytest -n` the child's pytest-benchmark took
+    # itself for one and warned, which the warning filter makes an error).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(SYNCLESS_TEST_FRESH="1", NCCL_NVLS_ENABLE="0")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "no:xdist", "-p", "no:benchmark",
                         f"{__file__}::{request.node.name}"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -402,6 +402,32 @@ def test_the_watch_tells_writes_inside_from_outside_and_sees_connections(tmp_pat
     assert w_inside.created
 
 
+def test_a_run_reads_beside_the_working_directory_and_writes_only_in_its_scratch(tmp_path):
+    # pytorch/examples' vae and mnist read `../data`: each --verify run must find it (in the H100
+    # corpus run of 2026-12-06 every vae run failed to, and verification measured nothing).
+    (tmp_path / "examples" / "data" / "MNIST").mkdir(parents=True)
+    (tmp_path / "examples" / "data" / "MNIST" / "raw.bin").write_bytes(b"images")
+    (tmp_path / "examples" / "vae").mkdir()
+    (tmp_path / "examples" / "vae" / "main.py").write_text("print(1)")
+    (tmp_path / "top.txt").write_text("two up")
+    scratch = _scratch.Scratch(str(tmp_path / "examples" / "vae"), None)
+    try:
+        here = scratch.make()
+        assert os.path.basename(here) == "vae" and os.listdir(here) == ["main.py"]
+        with open(os.path.join(here, "..", "data", "MNIST", "raw.bin"), "rb") as f:
+            assert f.read() == b"images"
+        with open(os.path.join(here, "..", "..", "top.txt")) as f:
+            assert f.read() == "two up"
+        with open(os.path.join(here, "..", "new.txt"), "w") as f:    # a new name: scratch's
+            f.write("run")
+        assert not (tmp_path / "examples" / "new.txt").exists()
+        scratch.drop(here)
+        assert os.listdir(scratch.root) == [], "the run's whole tree goes with it"
+        assert (tmp_path / "examples" / "data" / "MNIST" / "raw.bin").read_bytes() == b"images"
+    finally:
+        scratch.close()
+
+
 def _watch_of(tmp_path):
     (tmp_path / "changed.txt").write_text("a")
     with _isolate.Watch(str(tmp_path), str(tmp_path / "train.py")) as w:

@@ -1,5 +1,11 @@
 """Scratch working directories for --verify's runs: each a copy of the user's working directory
-as the doctor's own run found it, written into freely and removed after the run (see _isolate)."""
+as the doctor's own run found it, written into freely and removed after the run (see _isolate).
+
+A script may read beside its folder (pytorch/examples' vae and mnist read `../data`): a run's
+folder sits as deep in its scratch tree as the working directory's last LEVELS folders, and each
+level above it holds links to what the real one holds, so `../data` and `../../x` read the user's
+files. A new name there is made in the scratch tree (a write the doctor's own run made outside
+the working directory keeps --verify off by default: see _isolate)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +15,9 @@ import tempfile
 from ._isolate import Watch, under
 
 __all__ = ["Scratch", "own_tempdir"]
+
+LEVELS = 2             # folders above the working directory whose entries a run's folder sees
+MAX_SIBLINGS = 1000    # a folder holding more (/tmp, a home of many projects) is not mirrored
 
 
 def own_tempdir(prefix: str) -> str:
@@ -52,12 +61,40 @@ class Scratch:
             for i in range(1, len(parts)):
                 self._real.add(os.sep.join(parts[:i]))
         self.count = 0
+        self._tops: dict[str, str] = {}
+        # The folders above the working directory, nearest first, as (folder, the name in it
+        # that leads down), while they are few enough to link entry by entry.
+        self._above: list[tuple[str, str]] = []
+        below = self.cwd
+        for _ in range(LEVELS):
+            up = os.path.dirname(below)
+            if up == below:
+                break
+            try:
+                if len(os.listdir(up)) > MAX_SIBLINGS:
+                    break
+            except OSError:
+                break
+            self._above.append((up, os.path.basename(below)))
+            below = up
 
     def make(self) -> str:
         """A new working directory for one run."""
         self.count += 1
-        here = os.path.join(self.root, f"run{self.count}")
+        top = os.path.join(self.root, f"run{self.count}")
+        here = top
+        for up, name in reversed(self._above):
+            os.makedirs(here, exist_ok=True)
+            try:
+                entries = list(os.scandir(up))
+            except OSError:
+                entries = []
+            for e in entries:
+                if e.name != name:
+                    os.symlink(e.path, os.path.join(here, e.name))
+            here = os.path.join(here, name)
         self._mirror("", here)
+        self._tops[here] = top
         return here
 
     def _mirror(self, rel: str, into: str) -> None:
@@ -84,7 +121,7 @@ class Scratch:
         return os.path.relpath(full, self.cwd) if under(full, self.cwd) else path
 
     def drop(self, here: str) -> None:
-        shutil.rmtree(here, ignore_errors=True)
+        shutil.rmtree(self._tops.pop(here, here), ignore_errors=True)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

@@ -255,10 +255,14 @@ class Verifier:
 
     def __init__(self, script: str, args: list[str], warmup: int, steps: int, pairs: int = 3,
                  timeout_s: float = 600.0, cwd: str | None = None,
-                 scratch: Scratch | None = None) -> None:
+                 scratch: Scratch | None = None, deadline: float | None = None) -> None:
         self.script, self.args = script, args
         self.warmup, self.steps, self.pairs = warmup, steps, pairs
         self.timeout_s = timeout_s
+        # perf_counter() past which no run goes on (None: none): a run that would end after it
+        # is not started, one under way is stopped there, and out_of_time is set.
+        self.deadline = deadline
+        self.out_of_time = False
         self.cwd = cwd or os.getcwd()
         self.scratch = scratch
         self.runner = Runner(run_env())
@@ -284,6 +288,13 @@ class Verifier:
         run starts in a fresh scratch working directory (the script through its copy there when
         it lives in the working directory, so that paths made from __file__ land there too),
         with the trackers off, and stops once its window is timed."""
+        timeout = self.timeout_s
+        if self.deadline is not None:
+            left = self.deadline - perf_counter()
+            if left < max(1.0, 0.8 * self.last_s):      # it would be stopped before it measures
+                self.out_of_time = True
+                return None, False
+            timeout = min(timeout, left)
         here = self.scratch.make() if self.scratch is not None else self.cwd
         script = self.script
         if self.scratch is not None:
@@ -298,7 +309,8 @@ class Verifier:
             self.runner.start()
             started = perf_counter()
             try:
-                if self.runner.run(argv, here, self.timeout_s) is None:
+                if self.runner.run(argv, here, timeout) is None:
+                    self.out_of_time |= timeout < self.timeout_s
                     return None, False          # timed out
             finally:
                 self.runs += 1
@@ -327,11 +339,18 @@ class Verifier:
         while True:
             i = len(a_ms)
             order = [(base, a_ms), (settings, b_ms)]
+            pair: dict[int, float] = {}
             for s, into in (order if i % 2 == 0 else order[::-1]):
                 ms = self.measure(s)
                 if ms is None:
-                    return None
-                into.append(ms)
+                    break
+                pair[id(into)] = ms
+            if len(pair) < 2:
+                if i >= self.pairs and self.out_of_time:
+                    break                           # the pairs so far decide
+                return None
+            a_ms.append(pair[id(a_ms)])
+            b_ms.append(pair[id(b_ms)])
             spent = perf_counter() - started
             if i + 1 == self.pairs:
                 first_s = spent
@@ -352,6 +371,8 @@ class Verifier:
         """Each worker count once (with `extra` loader settings); the fastest and all readings."""
         seen: dict[int, float] = {}
         for k in candidates:
+            if self.out_of_time:
+                break
             ms = self.measure(loader_fix(k, extra, framework)[1])
             if ms is not None:
                 seen[k] = ms
@@ -449,7 +470,9 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
                 finding.verified = {"measured_ms": seen.get(current), "ci_low_ms": None,
                                     "ci_high_ms": None, "kept": False, "sweep": seen}
                 lines.append(f"{finding.title}: the sweep (num_workers: ms/step) {sweep} found "
-                             f"no count faster than the current {current}: no loader fix kept")
+                             f"no count faster than the current {current}: no loader fix kept"
+                             + (" (verification's time ran out before the sweep ended)"
+                                if verifier.out_of_time else ""))
                 continue
             label, settings = loader_fix(best, extra, d.framework)
             result = verifier.paired(settings)
@@ -465,7 +488,9 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) 
             continue
         _record(finding, slot, result)
         if result is None:
-            lines.append(f"{label}: not measured (a run failed or timed out)")
+            lines.append(f"{label}: not measured (" + (
+                "verification's time ran out: python -m syncless doctor --verify gives it all "
+                "it takes" if verifier.out_of_time else "a run failed or timed out") + ")")
             continue
         predicted = finding.predicted_ms if finding is not None else None
         lines.append(
