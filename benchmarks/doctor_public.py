@@ -71,7 +71,7 @@ CASES = {
     "imagenet_resnet18": ("examples/imagenet", "main.py",
                           ["--dummy", "-a", "resnet18", "-b", "4", "-j", "1", "--epochs", "1"],
                           ["--dummy", "-a", "resnet18", "-b", "256", "-j", "4", "--epochs", "1"],
-                          {"starvation": {"args": {"-j": "14"}}}),
+                          {"starvation": {"args": {"-j": "{workers}"}}}),
     "word_language_model": ("examples/word_language_model", "main.py",
                             ["--epochs", "1", "--emsize", "64", "--nhid", "64", "--bptt", "20"],
                             ["--accel", "--epochs", "1"],
@@ -490,7 +490,8 @@ def run_case(name: str, device: str, pairs: int, verify: bool | None,
     res["quick"] = {k: quick_run.get(k) for k in keep} if quick else None
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",
-                                                         "wins_ms", "verified")}
+                                                         "wins_ms", "verified", "workers_needed",
+                                                         "fixes")}
                                   for f in full.get("findings", [])]
     # What the proof asks per script: the verdict, predicted against verified gain, the
     # doctor's wall time and the runs it made (its own and --verify's).
@@ -503,9 +504,16 @@ def run_case(name: str, device: str, pairs: int, verify: bool | None,
                       "gains": _verified_gain(full)}
     res["same_verdict"] = quick_run.get("verdict") == full.get("verdict") if quick else None
     top = full["findings"][0] if full.get("findings") else None
-    if top is not None and top["kind"] in fixes and pairs > 0:
-        hand = _hand_fix(cwd, script, args, fixes[top["kind"]], full.get("warmup_steps") or 3,
-                         20, pairs)
+    needs_count = top is not None and top["kind"] in fixes and any(
+        "{workers}" in v for v in fixes[top["kind"]].get("args", {}).values())
+    if needs_count and not top.get("workers_needed"):
+        res["hand_fix"] = {"error": "the doctor prescribed no worker count to apply"}
+    elif top is not None and top["kind"] in fixes and pairs > 0:
+        fix = fixes[top["kind"]]
+        if top.get("workers_needed"):            # "{workers}": the count the doctor prescribed
+            fix = {**fix, "args": {k: v.format(workers=top["workers_needed"])
+                                   for k, v in fix.get("args", {}).items()}}
+        hand = _hand_fix(cwd, script, args, fix, full.get("warmup_steps") or 3, 20, pairs)
         res["hand_fix"] = hand
         if "gain_ms" in hand and top.get("predicted_ms") is not None:
             # The prediction is on the observed step; put it on the unobserved one.

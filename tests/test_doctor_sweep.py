@@ -223,3 +223,32 @@ def test_workers_that_win_nothing_leave_the_wait_ranked_not_predicted():
     assert f.fixes[0].startswith("no worker count the sweep tried beyond num_workers=0 makes "
                                  "the step faster than its 121.90 ms (measured: "), f.fixes[0]
     assert f.cost_ms == pytest.approx(118.6), "what removing the wait wins: not minor"
+
+
+def test_a_sweep_cut_short_while_still_scaling_extrapolates_and_says_so():
+    # imagenet resnet18 -j 4 on an H100 (FakeData, 256 images a batch): 1 worker made a batch
+    # every 544.7 ms, 2 every 272.9, and the 8-s sweep ended there. The step (125.4 ms) waited
+    # 73.9 ms for data and blocked 41.8 ms in .item() behind 55.2 ms of GPU work; its own
+    # --verify sweep measured 8 workers at 61 ms and 16 at 59. The syncs wait for GPU work the
+    # wait held back: the step needs a batch every 55.2 ms, which 10 workers deliver.
+    from syncless.doctor.findings import starvation_finding
+    s = _sweep.Sweep(period_ms={1: 544.7, 2: 272.9}, cpu_share={1: 1.0, 2: 1.0},
+                     ended="ran out of time at 4 workers")
+    assert s.extrapolate(55.164, 16) == (10, pytest.approx(272.9 * 2 / 10))
+    f = starvation_finding(73.865, 125.4, 55.164, {"num_workers": 4, "pin_memory": True},
+                           cuda=True, cpus=16, data_cpu=1.0, host_ms=125.4 - 41.835,
+                           sweeper=lambda target: s)
+    assert f.extra["workers_needed"] == 10, f.fixes[0]
+    assert f.fixes[0].predicted_ms == pytest.approx(55.164), f.fixes[0]
+    assert f.fixes[0].startswith("num_workers=4 cannot keep up: num_workers=10 (measured: "
+                                      "side loaders"), f.fixes[0]
+    assert "its time ran out while each doubling still cut the period, so 10 workers are " \
+        "extrapolated from 2: a batch every 54.6 ms" in f.fixes[0]
+    # Not where the last doubling saturated, nor where the sweep ended for another reason.
+    assert _sweep.Sweep(period_ms={1: 544.7, 2: 500.0},
+                        ended="ran out of time at 4 workers").extrapolate(55.0, 16) is None
+    assert _sweep.Sweep(period_ms={1: 544.7, 2: 272.9},
+                        ended="stopped at 2 workers, the most it tries on 2 CPUs"
+                        ).extrapolate(55.0, 16) is None
+    # At most the CPUs workers that compute may take.
+    assert s.extrapolate(55.164, 6) == (6, pytest.approx(272.9 * 2 / 6))

@@ -9,7 +9,12 @@ allowed one), and workers that decode compete for the CPUs with each other and w
 threads, so a count that the batch time asks for can deliver less than it promises.
 
 k doubles from 1 while each doubling still cuts the batch period to GAIN or less, until the
-loader keeps up with the step, or the count reaches max_workers(), or the time is spent (SWEEP_S).
+loader keeps up with the step, or the count reaches max_workers(), or the time is spent: SWEEP_S,
+or where one worker's batches are slow, what the doublings that the step's pace asks for take
+(each count serves about PREFETCH + ROUNDS batches a worker), up to SWEEP_MAX_S (imagenet's
+FakeData, 256 images a batch: 545 ms a batch, and 8 s measured only 1 and 2 workers). A sweep
+whose time ran out while doublings still halved the period extrapolates from its last count
+(Sweep.extrapolate), and says so.
 Each k's side loader starts its workers as the user's would (forked on Linux, the loader's own
 multiprocessing context where it has one), serves the batches it asks for at the start (two per
 worker: their start and first batches), then rounds of one batch per worker (at least ROUNDS and
@@ -21,6 +26,7 @@ sweep: it must not change the order the loop sees next."""
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import statistics
 import sys
@@ -33,7 +39,8 @@ from ._loader import cpu_count, process_cpu_s
 
 __all__ = ["Recipe", "recipe", "Sweep", "sweep", "sweeper", "max_workers"]
 
-SWEEP_S = 8.0        # the whole sweep
+SWEEP_S = 8.0        # the whole sweep ...
+SWEEP_MAX_S = 30.0   # ... or, for slow batches, what the doublings to the step's pace take
 K_S = 2.0            # one worker count, past its prefetch, at most ...
 MIN_S = 0.5          # ... and at least (a loaded host's bursts even out over it)
 ROUNDS = 3           # rounds of k batches timed per count, at least
@@ -158,6 +165,20 @@ class Sweep:
         best = min(self.predicted_ms(k, target_ms) for k in ks)
         return next(k for k in ks if self.predicted_ms(k, target_ms) <= CLOSE * best)
 
+    def extrapolate(self, target_ms: float, most: int) -> tuple[int, float] | None:
+        """(workers, batch period) that keep up with a step of `target_ms` (at most `most`),
+        from the last count measured, when the sweep's time ran out while each doubling still
+        cut the period to GAIN or less; None otherwise."""
+        if not self.ended.startswith("ran out of time") or len(self.period_ms) < 2:
+            return None
+        last = max(self.period_ms)
+        before = self.period_ms.get(last // 2)
+        period = self.period_ms[last]
+        if before is None or period > GAIN * before or period <= target_ms:
+            return None
+        k = min(most, math.ceil(period * last / max(target_ms, 1e-9)))
+        return (k, period * last / k) if k > last else None
+
     def text(self) -> str:
         """`1: 40.1, 2: 20.3, 4: 10.2 ms/batch (2.1 s)`"""
         return (", ".join(f"{k}: {ms:.1f}" for k, ms in sorted(self.period_ms.items()))
@@ -275,6 +296,12 @@ def sweep(r: Recipe, target_ms: float, cpus: int, budget_s: float = SWEEP_S) -> 
                              else f"stopped: the dataset ran out at {k} workers")
                 break
             period, share, taken = got
+            if k == 1 and period > target_ms > 0:
+                # Slow batches: time for the doublings to the step's pace, each count serving
+                # about PREFETCH + ROUNDS batches a worker.
+                doublings = math.ceil(math.log2(period / target_ms))
+                need = (PREFETCH + ROUNDS) * period / 1e3 * (doublings + 1)
+                deadline = began + max(budget_s, min(SWEEP_MAX_S, need))
             out.batches[k] = taken
             previous = out.period_ms.get(k // 2) if k > 1 else None
             out.period_ms[k] = period
