@@ -566,3 +566,64 @@ def test_verify_measures_the_trainers_setting_and_the_drop_in_in_paired_runs(tmp
             r["verdict"]] + ")"), line
     assert json.loads(json.dumps(f.as_dict()))["dropin_verified"]["runs"] == \
         f.extra["dropin_verified"]["runs"], "in the --json file"
+
+
+class _TimedRunner:
+    """Measured runs that take `seconds` each and read `ms` (the baseline) or `fixed_ms` (a
+    fix applied): the Verifier's timing without the script."""
+    forks = False
+
+    def __init__(self, seconds, ms=10.0, fixed_ms=(5.0,)):
+        self.seconds, self.ms, self.fixed_ms = seconds, ms, list(fixed_ms)
+        self.timeouts = []
+
+    def start(self):
+        pass
+
+    def close(self):
+        pass
+
+    def fresh(self):
+        pass
+
+    def run(self, argv, cwd, timeout_s):
+        import time
+        self.timeouts.append(timeout_s)
+        if self.seconds > timeout_s:
+            time.sleep(timeout_s)
+            return None                               # stopped at its timeout
+        time.sleep(self.seconds)
+        fixed = json.loads(argv[argv.index("--apply") + 1])
+        if fixed:                                     # the fix's readings, in turn
+            self.fixed_ms.append(self.fixed_ms.pop(0))
+        with open(argv[argv.index("--measure") + 1], "w") as f:
+            json.dump({"plain_step_ms": self.fixed_ms[-1] if fixed else self.ms}, f)
+        return 0
+
+
+def test_default_verification_stops_at_its_deadline_and_says_so(tmp_path, monkeypatch):
+    # By default the doctor's 120 s hold its runs too: a compiled run can take many times the
+    # plain one (lightning_docs on an H100 ran past 125 s before). A run that cannot finish is
+    # not started, one under way is stopped at the deadline, and the fix reads as unmeasured.
+    from time import perf_counter
+    monkeypatch.setattr(_verify, "MIN_RUN_S", 0.05)
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=1, steps=5, pairs=2,
+                         timeout_s=60, cwd=str(tmp_path), deadline=perf_counter() + 0.75)
+    v.runner = runner = _TimedRunner(0.2)
+    assert v.paired({"compile": "reduce-overhead"}) is None and v.out_of_time
+    assert len(runner.timeouts) == 3, "the 4th run of 2 pairs would have ended past it"
+    assert all(t <= 0.75 for t in runner.timeouts), "each run's timeout is the time left"
+    best, seen = v.sweep_workers([0, 1, 2, 4], {})
+    assert (best, seen) == (None, {}), "the sweep starts no run either"
+    # Extra pairs (an unclear comparison) stop there too: the pairs so far decide.
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=1, steps=5, pairs=2,
+                         timeout_s=60, cwd=str(tmp_path), deadline=perf_counter() + 1.1)
+    v.runner = _TimedRunner(0.2, ms=10.0, fixed_ms=(7.0, 12.0))   # unclear in 2 pairs
+    r = v.paired({"compile": "reduce-overhead"})
+    assert r is not None and r["pairs"] == 2 and v.out_of_time and not r["kept"], r
+    # Without a deadline (--verify given), the runs take what they take.
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=1, steps=5, pairs=2,
+                         timeout_s=60, cwd=str(tmp_path))
+    v.runner = runner = _TimedRunner(0.01)
+    assert v.paired({"compile": "reduce-overhead"})["kept"] and not v.out_of_time
+    assert runner.timeouts == [60] * 4

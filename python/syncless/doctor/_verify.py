@@ -250,6 +250,9 @@ def _user() -> str:
         return "unknown"
 
 
+MIN_RUN_S = 1.0      # no run starts with less time than this left before the deadline
+
+
 class Verifier:
     """Fresh measured runs of `script args`, each `warmup` + `steps` unobserved steps."""
 
@@ -291,7 +294,7 @@ class Verifier:
         timeout = self.timeout_s
         if self.deadline is not None:
             left = self.deadline - perf_counter()
-            if left < max(1.0, 0.8 * self.last_s):      # it would be stopped before it measures
+            if left < max(MIN_RUN_S, 0.8 * self.last_s):  # it would be stopped before it measures
                 self.out_of_time = True
                 return None, False
             timeout = min(timeout, left)

@@ -65,6 +65,7 @@ def _step_at(text: str) -> tuple[str, int]:
 
 QUICK = {"warmup": 2, "steps": 15, "probe_steps": 3, "audit_steps": 5, "trace_steps": 4}
 VERIFY_BUDGET_S = 120.0   # --verify is on by default when its runs should take less than this
+REPORT_S = 5.0            # of it, kept for the interpreter's start and the report after the runs
 PROBE_OVER = 4.0          # ... and up to this many times more, one run is timed to decide
 DEFAULT = {"warmup": 3, "steps": 30, "probe_steps": 3, "audit_steps": 10, "trace_steps": 3}
 
@@ -182,7 +183,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
-    budget = VERIFY_BUDGET_S - (perf_counter() - started)      # what the default leaves them
+    budget = VERIFY_BUDGET_S - REPORT_S - (perf_counter() - started)   # what the default leaves
     why = watch.why_not() if watch is not None else None
     if ns.verify is None and why is not None:
         d.verify_lines = [f"off: {why}; pass --verify to run them anyway"]
@@ -197,7 +198,8 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
                          max(session.plan["plain"], 5), ns.verify_pairs,
                          timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd, scratch=scratch,
-                         deadline=started + VERIFY_BUDGET_S if ns.verify is None else None)
+                         deadline=started + VERIFY_BUDGET_S - REPORT_S if ns.verify is None
+                         else None)
     try:
         if ns.verify is None and estimate > budget:
             # The doctor's own run paid imports a measured run does not (forks of a server
