@@ -553,3 +553,55 @@ def test_a_handler_flushing_again_and_again_inside_deliveries_keeps_every_sink_e
     assert "bad 0 raised 0" in r.stdout, r.stdout[-3000:]
     handled = int(r.stdout.split("handled ")[1].split()[0])
     assert handled >= 40, r.stdout
+
+
+# ---- a handler at the first call of a metric on CUDA --------------------------------------------
+
+class _Stop(BaseException):
+    pass
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delivery", ["thread", "caller"])
+@pytest.mark.parametrize("action", ["close", "flush"])
+def test_a_handler_where_a_new_metrics_call_is_made_again_finds_it_not_counted(delivery, action):
+    """A metric's first call on CUDA launches nothing (the ring has no column for it): the call
+    is taken back, the column added, and the call made again. A signal handler runs at a
+    function's start, and one that closed the logger at the start of the function that makes
+    it again found the call counted with no row: stats said 1 step, 0 delivered (the handler
+    trials on an H100, 1 in 500). Python's trace hook stands in for the signal here, at exactly
+    that point: the handler must find the call not counted, and the books must balance after."""
+    import sys
+    import torch
+    import syncless
+    got = []
+
+    class Keep:
+        def write(self, rows):
+            got.extend((r.step, float(r.values["x"])) for r in rows)
+
+    log = syncless.Logger(every=2, sinks=[Keep()], delivery=delivery)
+    seen = []
+
+    def handler(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_new_metric" and not seen:
+            seen.append(log.stats.steps)
+            getattr(log, action)()
+            if action == "close":
+                raise _Stop()                      # a preemption handler: close, then exit
+        return None
+
+    sys.settrace(handler)
+    try:
+        log(x=torch.tensor(1.0, device="cuda"))
+    except _Stop:
+        pass
+    finally:
+        sys.settrace(None)
+    assert seen == [0], "the handler found the call counted, with no row for it"
+    if action == "flush":                          # the loop goes on
+        log(x=torch.tensor(2.0, device="cuda"))
+    log.close()
+    s = log.stats
+    assert s.steps == s.delivered == len(got), (s, got)
+    assert got == ([] if action == "close" else [(0, 1.0), (1, 2.0)])

@@ -432,8 +432,12 @@ class Logger(_Readings):
                     self._calls, self._next_step, self._last_step = calls, nxt, last
                 raise
             if captured:
-                if captured is not True:             # _C.GATHER_NEW_COLUMN
-                    self._new_metric(metrics, (calls, nxt, last), None if given < 0 else step)
+                if captured is not True:             # _C.GATHER_NEW_COLUMN: nothing launched
+                    # Taken back here, before any call: a handler can run at a function's
+                    # start, and one that closed the logger there found the call counted and
+                    # no row for it (delivered 0 of 1 step; H100, 1 trial in 500).
+                    self._calls, self._next_step, self._last_step = calls, nxt, last
+                    self._new_metric(metrics, None if given < 0 else step)
                     return
                 self._gen.captured = True            # type: ignore[union-attr]
                 return                               # nothing else may happen under capture
@@ -446,12 +450,10 @@ class Logger(_Readings):
         if since + 1 >= self.every or now >= self._deadline:
             self._flush_window()
 
-    def _new_metric(self, metrics: dict[str, Any], before: tuple[int, int, int],
-                    step: int | None) -> None:
-        """The hot path's gather found a metric without a column (nothing launched): the call
-        is taken back, the column added (the ring may grow), and the call made again, through
+    def _new_metric(self, metrics: dict[str, Any], step: int | None) -> None:
+        """The hot path's gather found a metric without a column (nothing launched, the call
+        taken back): the column is added (the ring may grow), and the call made again, through
         the hot path (the one place that counts, gathers and triggers a flush)."""
-        self._calls, self._next_step, self._last_step = before
         if all(name in self._columns for name in metrics):
             raise RuntimeError(f"syncless: metrics {sorted(metrics)} have no column in the "
                                "logger's device ring after it was widened (a bug: please "
