@@ -13,6 +13,10 @@ from syncless.doctor import _verify, cli
 def test_worker_sweep_counts():
     assert _verify.worker_candidates(0, None, 2) == [0, 1, 2]
     assert _verify.worker_candidates(2, 12, 16) == [1, 2, 4, 8, 12, 16]
+    # Measured by side loaders: the current count, the measured one and twice it.
+    assert _verify.worker_candidates(4, 10, 16, measured=True) == [4, 10, 16]
+    assert _verify.worker_candidates(0, 8, 2, measured=True) == [0, 8]
+    assert _verify.worker_candidates(0, None, 2, measured=True) == [0, 1, 2]
 
 
 MEASURED = """

@@ -177,8 +177,8 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
         return
     cpus = cpu_count()
     loader = d.summary.loader or {}
-    runs = sum(2 * ns.verify_pairs + (len(_verify.worker_candidates(
-        loader.get("num_workers") or 0, f.extra.get("workers_needed"), cpus))
+    runs = sum(2 * ns.verify_pairs + (len(_verify.finding_candidates(
+        f, loader.get("num_workers") or 0, cpus))
         if label == "loader" and f is not None else 0) for f, label, _, _ in fixes)
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
