@@ -353,6 +353,9 @@ def main(rank, world, port, out):
     if rank == 0:
         json.dump({"rows": m.rows, "ref": (ref / world).tolist()}, open(out, "w"))
     dist.destroy_process_group()            # see the end of ACCELERATE below
+    del t, m
+    import gc
+    gc.collect()                            # the trainer's cycles hold the DDP model, and it the group
 
 if __name__ == "__main__":
     import torch.multiprocessing as mp
@@ -394,8 +397,14 @@ if rank == 0:
 # accelerate's documented end (it destroys the process group): a rank that exits with a live
 # gloo group can abort in the interpreter's teardown, with or without syncless ("terminate called
 # without an active exception", pytorch/pytorch#179291): 3 times here, in this script and the
-# Lightning one, which now end the same way.
+# Lightning one, which now end the same way. end_training() only unregisters the group: the DDP
+# model still holds it, and its destruction in the teardown's gc joins gloo's threads, one of
+# which, dropping the all_reduce above, wants the GIL the finalizing interpreter refuses (the core
+# of one abort here). So the objects that hold it go first, while the interpreter is alive.
 acc.end_training()
+del model, opt, acc
+import gc
+gc.collect()
 '''
 
 

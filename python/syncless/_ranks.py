@@ -163,12 +163,19 @@ class Ranks:
         if self._thread.is_alive():       # stuck in a collective past the deadline
             self._give_up(self._missing_error("close_timeout passed"))
             return
-        # The group's gloo threads end here, not in the interpreter's teardown (where a rank
-        # exiting under load once aborted: "terminate called without an active exception").
+        # The group's gloo threads end here, not in the interpreter's teardown: there a gloo
+        # worker that drops a finished collective's tensors needs the GIL, which a finalizing
+        # interpreter refuses, and the process aborts ("terminate called without an active
+        # exception", pytorch/pytorch#179291; the core of one such abort here: a runLoop thread
+        # in ~AsyncAllreduceWork, the main thread in Py_FinalizeEx's gc). destroy_process_group
+        # only unregisters the group; dropping the last reference destroys it, which joins its
+        # threads (torch releases the GIL for that).
+        group, self.group = self.group, None
         try:
-            dist.destroy_process_group(self.group)
+            dist.destroy_process_group(group)
         except Exception as exc:          # already gone (the job tore everything down)
             _log.debug("syncless: the ranks' group was not destroyed: %s", exc)
+        del group
 
     def stop(self) -> None:
         """A Logger dropped without close(): exchange no more (the other ranks' close() will
@@ -437,8 +444,11 @@ class Ranks:
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """all_gather on the group, waiting in slices so close()'s deadline is kept."""
+        group = self.group
+        if group is None:                 # finish() destroyed it: no collective after that
+            raise _GaveUp
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        work = dist.all_gather(parts, t, group=self.group, async_op=True)
+        work = dist.all_gather(parts, t, group=group, async_op=True)
         self.collectives += 1
         while True:
             deadline = self._deadline
