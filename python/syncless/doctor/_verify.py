@@ -341,19 +341,16 @@ class Verifier:
         started, first_s = perf_counter(), None
         while True:
             i = len(a_ms)
-            order = [(base, a_ms), (settings, b_ms)]
-            pair: dict[int, float] = {}
-            for s, into in (order if i % 2 == 0 else order[::-1]):
-                ms = self.measure(s)
-                if ms is None:
-                    break
-                pair[id(into)] = ms
-            if len(pair) < 2:
+            # A B, then B A: a pair counts once both of its runs measured.
+            first, second = (base, settings) if i % 2 == 0 else (settings, base)
+            ms1 = self.measure(first)
+            ms2 = None if ms1 is None else self.measure(second)
+            if ms1 is None or ms2 is None:
                 if i >= self.pairs and self.out_of_time:
                     break                           # the pairs so far decide
                 return None
-            a_ms.append(pair[id(a_ms)])
-            b_ms.append(pair[id(b_ms)])
+            a_ms.append(ms1 if i % 2 == 0 else ms2)
+            b_ms.append(ms2 if i % 2 == 0 else ms1)
             spent = perf_counter() - started
             if i + 1 == self.pairs:
                 first_s = spent

@@ -183,7 +183,8 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
-    budget = VERIFY_BUDGET_S - REPORT_S - (perf_counter() - started)   # what the default leaves
+    end = started + VERIFY_BUDGET_S - REPORT_S      # where the default stops them
+    budget = end - perf_counter()
     why = watch.why_not() if watch is not None else None
     if ns.verify is None and why is not None:
         d.verify_lines = [f"off: {why}; pass --verify to run them anyway"]
@@ -198,8 +199,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     v = _verify.Verifier(os.path.abspath(ns.script), ns.args, session.done["warm-up"],
                          max(session.plan["plain"], 5), ns.verify_pairs,
                          timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd, scratch=scratch,
-                         deadline=started + VERIFY_BUDGET_S - REPORT_S if ns.verify is None
-                         else None)
+                         deadline=end if ns.verify is None else None)
     try:
         if ns.verify is None and estimate > budget:
             # The doctor's own run paid imports a measured run does not (forks of a server

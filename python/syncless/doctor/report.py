@@ -198,7 +198,7 @@ def render_doctor(d: Any) -> str:
                      "paired, interleaved; 95% intervals):")
         if d.verify_where:
             lines.append(f"  (runs {d.verify_where})")
-        load = getattr(d, "verify_load", None)
+        load = d.verify_load
         if load is not None and load.loaded:
             # Seen: other processes on 0.83 of 2 CPUs, every run of a CPU loop 4x slower than
             # on the quiet host, and a worker count kept that loses there.
