@@ -107,14 +107,15 @@ def test_a_loader_that_starves_only_after_its_prefetch_is_found(tmp_path):
     # The first 20+ steps take batches made in advance (5 ms steps); then 2 workers deliver one
     # batch each 25 ms: the step waits ~20 ms. A 15-step window right after a 2-step warm-up saw
     # only the prefetched batches. The step's own work grows on a slow host (13 ms under ASan on
-    # 2 cores, where the wait fell to 9 ms): the wait is checked as a share of the step.
+    # 2 cores, where the wait fell to 9 ms; 6 of 23 ms once on CI): the wait is checked against
+    # a ready batch's handoff, which is all a window still served by the prefetch waits.
     # In its own interpreter: workers forked from a process whose torch thread pools ran (the
     # other tests') took 2 x 5 s to shut down at the next gc.
     d, r = doctor_process(tmp_path, PREFETCH, "--quick")
     assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
     assert d["verdict"] == "data-bound", r
     assert d["plain_step_ms"] >= 15.0, d["plain_step_ms"]
-    assert d["data_ms"] >= 0.3 * d["plain_step_ms"], (d["data_ms"], d["plain_step_ms"])
+    assert d["data_ms"] >= max(2.0, 2 * (d["handoff_ms"] or 0.0)), (d["data_ms"], d["handoff_ms"])
     [f] = [f for f in d["findings"] if f["kind"] == "starvation"]
     assert f["workers_needed"] >= 3 and f["verified"] is None
     assert d["provisional"] is False, d["provisional_why"]
@@ -386,5 +387,9 @@ def test_doctor_api_waits_out_the_loaders_prefetch(tmp_path):
     assert d["warmup_steps"] >= 20, "the warm-up lasts until the prefetch is used up"
     assert d["verdict"] == "data-bound", d
     assert d["plain_step_ms"] >= 15.0, d["plain_step_ms"]
-    assert d["data_ms"] >= 0.3 * d["plain_step_ms"], (d["data_ms"], d["plain_step_ms"])
+    # The waits are the workers', not a ready batch's handoff (~1 ms here): a window still served
+    # by the prefetch waits only that. Not a share of the step: the step body's own time under
+    # the doctor grows with the host's load (CI: 17 of 23 ms, leaving 6 ms of wait).
+    assert d["data_ms"] >= max(2.0, 2 * (d["handoff_ms"] or 0.0)), (d["data_ms"], d["handoff_ms"])
+    assert d["data_ms"] + d["cpu_ms"] == pytest.approx(d["step_ms"], rel=0.05)
     assert d["provisional"] is False, d["provisional_why"]
