@@ -159,10 +159,19 @@ def _straggler_case(rank, tmp):
     own = torch.tensor([t * 1e3 for _, t, _ in rows], dtype=torch.float64)
     ms = own[1:] - own[:-1]
     lo, hi = ms.clone(), ms.clone()
-    dist.all_reduce(lo, dist.ReduceOp.MIN)
-    dist.all_reduce(hi, dist.ReduceOp.MAX)
+    # On a group of the case's own, destroyed here: the world group outlives the rank's
+    # destroy_process_group() once torch.profiler ran (_lockstep_case; the profiler keeps 10
+    # references to it), so its gloo thread could still be dropping this all_gather's work at the
+    # interpreter's exit, and a thread taking the GIL then aborts the rank ("terminate called
+    # without an active exception"; a core: the main thread in Py_FinalizeEx, a pt_gloo_runloop
+    # thread in ~AsyncAllgatherWork; 5 in 40 two-rank runs on this 2-core host).
+    group = dist.new_group(backend="gloo")
+    dist.all_reduce(lo, dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, dist.ReduceOp.MAX, group=group)
     both = [torch.empty_like(ms) for _ in range(2)]
-    dist.all_gather(both, ms)
+    dist.all_gather(both, ms, group=group)
+    dist.destroy_process_group(group)
+    del group
     median = torch.stack(both).mean(0)                     # two ranks: the mean of the two
     slowest = torch.stack(both).argmax(0)
     got = {k: [v[k] for _, _, v in rows[1:]] for k in
