@@ -404,6 +404,13 @@ class Logger(_Readings):
         if _get_ident() != self._owner:          # ~0.1 us; a lock would cost several times more
             self._log_from_elsewhere(metrics, step)
             return
+        if self._since_flush >= self.capacity:
+            # The rows since the last hand-over fill the ring: its flushes were cut short (an
+            # exception out of each flush's wait for room, a signal handler's, while the calls
+            # went on), and this row would overwrite one that no copy holds yet. The hand-over
+            # comes first, waiting for room; cut short again, this call raises before it counts
+            # or writes. Never true otherwise: a window is handed over at its `every`-th row.
+            self._flush_window()
         calls, nxt, last = self._calls, self._next_step, self._last_step
         if step is None:
             step, given = nxt, -1                # -1: the ring's next step, counted on the GPU
