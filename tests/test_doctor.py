@@ -681,6 +681,27 @@ def test_a_sync_wins_back_only_the_gpu_idle_it_causes():
     assert f.cost_ms == pytest.approx(1.5) and f.fixes[0].predicted_ms == pytest.approx(8.5)
 
 
+def test_a_cpu_loop_is_data_bound_only_by_the_wait_more_workers_could_shorten():
+    """The PyTorch CIFAR tutorial's loop on the CPU (batch 4, 2 workers; synthetic images) waited
+    0.88 of 3.76 ms for data, 0.70 ms of it taking a batch a worker had ready (the handoff,
+    measured), which no worker count shortens: the loader's fix won 0.19 ms, yet the verdict
+    said data-bound. The verdict counts the wait beyond the handoff; the finding stays."""
+    from syncless.doctor.diagnose import Measured, assess
+    loader = {"num_workers": 2, "pin_memory": False, "persistent_workers": False,
+              "prefetch_factor": 2, "batch_size": 4}
+
+    def verdict(data_ms):
+        return assess(Measured(summary(3.76, data_ms=data_ms, loader=loader), cupti_audit([]), 2,
+                               3.76, False, handoff_ms=0.70))
+
+    handoff = verdict(0.88)
+    assert handoff.verdict_kind == "CPU-bound", handoff.report()
+    assert [f.kind for f in handoff.findings] == ["starvation"]
+    assert "data wait 0.88 ms of 3.76 ms" in handoff.verdict
+    starved = verdict(2.0)                         # 1.3 ms beyond the handoff: 35% of the step
+    assert starved.verdict_kind == "data-bound", starved.report()
+
+
 def test_a_queue_that_never_ran_dry_is_gpu_bound_whatever_the_probe_reads():
     """A GPU-bound step (on an H200: 4 x 8192^2 bf16 linears, the host blocked in launches with
     the queue full) whose probe read the GPU work 21% low: the trace saw the GPU wait for
