@@ -82,13 +82,14 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in variants}
 
     def variant(name: str):
-        env = dict(os.environ)
+        child = dict(os.environ)
         if name == "baseline":
-            env["PYTHONPATH"] = os.path.abspath(ns.baseline) + os.pathsep + env.get("PYTHONPATH", "")
+            child["PYTHONPATH"] = os.path.abspath(ns.baseline) + os.pathsep + \
+                child.get("PYTHONPATH", "")
 
         def run() -> float:
             r = subprocess.run([sys.executable, path, name], capture_output=True, text=True,
-                               cwd=folder, timeout=300, env=env)
+                               cwd=folder, timeout=300, env=child)
             if r.returncode != 0:
                 raise RuntimeError(r.stderr[-2000:])
             out = {k: v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()

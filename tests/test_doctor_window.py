@@ -353,9 +353,6 @@ def test_doctor_api_reports_a_periodic_stall_apart_from_the_step():
     assert j["plain_step_ms"] == d.plain_step_ms and j["periodic"][0]["every_steps"] == 8
 
 
-
-
-
 @pytest.mark.slow
 @pytest.mark.timing
 def test_doctor_api_waits_out_the_loaders_prefetch(tmp_path):
