@@ -272,6 +272,10 @@ class Verifier:
         self.runs = 0
         self.seconds = 0.0          # all of it: the runs and the server's start
         self.last_s = 0.0           # the last run's
+        # Each run: its settings, seconds, step (ms; None: measured nothing), whether it ended
+        # by itself and was a fork of the server; and the server's start (the doctor's JSON).
+        self.log: list[dict[str, Any]] = []
+        self.server_s = 0.0
 
     def close(self) -> None:
         self.runner.close()
@@ -311,22 +315,30 @@ class Verifier:
             t = perf_counter()
             self.runner.start()
             started = perf_counter()
+            self.server_s += started - t
+            fork = self.runner.forks
+            ms: float | None = None
+            ended = False
             try:
                 if self.runner.run(argv, here, timeout) is None:
                     self.out_of_time |= timeout < self.timeout_s
                     return None, False          # timed out
+                ended = True
+                try:
+                    with open(out) as f:
+                        got = json.load(f).get("plain_step_ms")
+                    ms = float(got) if got is not None else None
+                except (OSError, ValueError):
+                    pass
+                return ms, True
             finally:
                 self.runs += 1
                 self.last_s = perf_counter() - started
                 self.seconds += perf_counter() - t
+                self.log.append({"apply": settings, "s": round(self.last_s, 2), "ms": ms,
+                                 "ended": ended, "fork": fork})
                 if self.scratch is not None:
                     self.scratch.drop(here)
-            try:
-                with open(out) as f:
-                    ms = json.load(f).get("plain_step_ms")
-                return (float(ms) if ms is not None else None), True
-            except (OSError, ValueError):
-                return None, True
 
     def paired(self, settings: dict[str, Any],
                base: dict[str, Any] | None = None,

@@ -216,6 +216,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
         d.verify_where = (f"each in a fresh copy of the working directory under {scratch.root} "
                           "(removed), trackers off" + (f"; not isolated: {why}" if why else ""))
     finally:
+        d.verify_log = {"server_s": round(v.server_s, 2), "runs": v.log}
         v.close()
         scratch.close()
 

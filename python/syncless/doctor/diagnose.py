@@ -79,6 +79,8 @@ class Diagnosis:
     verify_lines: list[str] = field(default_factory=list)   # --verify's lines, for the report
     verify_runs: tuple[int, float] = (0, 0.0)          # (runs, seconds) --verify took
     verify_where: str = ""                              # where those runs ran
+    # Each verifying run (settings, seconds, step ms, ended, fork) and the server's start
+    verify_log: dict[str, Any] = field(default_factory=dict)
     verify_load: Load | None = None    # other processes' load on the CPUs over those runs
     _sampled: Any = None               # the sampler's counts by (file, line, via)
     _printed: bool = field(default=False, compare=False)   # doctor() printed the report
@@ -124,6 +126,7 @@ class Diagnosis:
             "periodic": [s.as_dict() for s in self.periodic],
             "verify": self.verify_lines, "verify_runs": self.verify_runs[0],
             "verify_seconds": self.verify_runs[1], "verify_where": self.verify_where,
+            "verify_log": self.verify_log,
             "verify_load": self.verify_load.as_dict() if self.verify_load else None,
             "data_ms": self.summary.data_ms, "cpu_ms": self.summary.cpu_ms,
             "sync_ms": self.sync_ms, "sync_ms_source": self.sync_ms_source,
