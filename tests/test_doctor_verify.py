@@ -8,15 +8,22 @@ import textwrap
 import pytest
 
 from syncless.doctor import _verify, cli
+from syncless.doctor.findings import Finding
 
 
 def test_worker_sweep_counts():
     assert _verify.worker_candidates(0, None, 2) == [0, 1, 2]
     assert _verify.worker_candidates(2, 12, 16) == [1, 2, 4, 8, 12, 16]
-    # Measured by side loaders: the current count, the measured one and twice it.
-    assert _verify.worker_candidates(4, 10, 16, measured=True) == [4, 10, 16]
-    assert _verify.worker_candidates(0, 8, 2, measured=True) == [0, 8]
-    assert _verify.worker_candidates(0, None, 2, measured=True) == [0, 1, 2]
+    # Where side loaders measured the count: no sweep (the pairs time the current count and
+    # that one); without a measured count, the sweep.
+    measured = Finding("starvation", "DataLoader starvation", 50.0, "",
+                       extra={"workers_needed": 10, "sweep": {"period_ms": {1: 40.0, 8: 9.0}}})
+    assert _verify.finding_candidates(measured, 4, 16) == []
+    measured.extra["workers_needed"] = 4                    # the current count: sweep
+    assert _verify.finding_candidates(measured, 4, 16) == [1, 2, 4, 8, 16]
+    modelled = Finding("starvation", "DataLoader starvation", 50.0, "",
+                       extra={"workers_needed": 3})
+    assert _verify.finding_candidates(modelled, 0, 2) == [0, 1, 2, 3]
 
 
 MEASURED = """
