@@ -101,7 +101,11 @@ def test_verify_keeps_a_worker_only_when_it_wins_on_this_machine(tmp_path):
             "measured: side loaders" in first["text"], f["fixes"]
     v = f["verified"]
     assert v is not None and d["verify_runs"] >= 3, d["verify"]
-    assert set(v["sweep"]) >= {"0", "1"}, v["sweep"]
+    if f.get("workers_needed") and "measured: side loaders" in first["text"]:
+        # The count the side loaders measured, paired against the current one: no sweep.
+        assert v["sweep"] == {} and len(v["runs"]["with"]) >= 3, v
+    else:
+        assert set(v["sweep"]) >= {"0", "1"}, v["sweep"]
     if "verdict" in v:
         assert v["kept"] == (v["verdict"] == "win")
     line = d["verify"][0]
