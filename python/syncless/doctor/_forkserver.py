@@ -91,13 +91,16 @@ class Runner:
         """The run's exit code; None when it timed out (and was killed)."""
         proc = self._server()
         if proc is None:
+            run = subprocess.Popen([sys.executable, "-m", "syncless", "doctor", *argv], cwd=cwd,
+                                   env=self.env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
             try:
-                return subprocess.run([sys.executable, "-m", "syncless", "doctor", *argv],
-                                      cwd=cwd, timeout=timeout_s, env=self.env,
-                                      stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL).returncode
+                return run.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 return None
+            finally:
+                _end_group(run.pid)
+                run.wait()
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps({"argv": argv, "cwd": cwd, "env": self.env}).encode()
                          + b"\n")
@@ -107,12 +110,9 @@ class Runner:
             self.close()
             return None
         got = _reply(proc.stdout, timeout_s)
+        _end_group(pid)                        # the run (timed out) or its loader workers
         if "rc" in got:
             return int(got["rc"])
-        try:
-            os.killpg(pid, signal.SIGKILL)     # the run and its loader workers
-        except OSError:
-            pass
         _reply(proc.stdout, 30.0)
         return None
 
@@ -156,6 +156,15 @@ class Runner:
         proc, self._proc = self._proc, None
         if proc is not None:
             self._stop()
+
+
+def _end_group(pid: int) -> None:
+    """Kill what is left of a run, its own session: a run that measured exits at once
+    (--exit-when-measured), leaving its loader workers, and one that timed out is ended."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -310,8 +310,9 @@ class Verifier:
                 script = os.path.join(here, inside)
         with tempfile.TemporaryDirectory(prefix="syncless-measure-") as tmp:
             out = os.path.join(tmp, "m.json")
-            argv = ["--measure", out, "--apply", json.dumps(settings), "--warmup",
-                    str(self.warmup), "--plain-steps", str(self.steps), script, *self.args]
+            argv = ["--measure", out, "--exit-when-measured", "--apply", json.dumps(settings),
+                    "--warmup", str(self.warmup), "--plain-steps", str(self.steps), script,
+                    *self.args]
             t = perf_counter()
             self.runner.start()
             started = perf_counter()
