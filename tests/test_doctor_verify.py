@@ -58,6 +58,64 @@ def test_measure_applies_loader_settings_from_outside_and_times_plain_steps(tmp_
     assert DataLoader.__init__ is init, "undone after the run"
 
 
+WORKERS_WRITE_PIDS = """
+    import os, torch
+    from torch.utils.data import DataLoader, Dataset
+    class Pids(Dataset):
+        def __len__(self): return 64
+        def __getitem__(self, i): return torch.ones(4)
+    def note(_):
+        with open("pids.txt", "a") as f:          # the run's working directory: its scratch copy
+            f.write(f"{os.getpid()}\\n")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Pids(), batch_size=4, num_workers=2, persistent_workers=True,
+                        worker_init_fn=note)
+    for epoch in range(1000):
+        for x in loader:
+            opt.zero_grad(); model(x).sum().backward(); opt.step()
+        with open("/PIDS_OUT", "w") as f:
+            f.write(open("pids.txt").read())
+"""
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_verifying_run_ends_when_measured_and_leaves_no_worker(tmp_path, monkeypatch, fork):
+    """A verifying run exits once its step is written (the script's teardown, its loader
+    workers joined and its CUDA context, measures nothing) and its workers go with it, as a
+    fork of the server and as a fresh interpreter."""
+    monkeypatch.setenv("SYNCLESS_DOCTOR_FORKSERVER", fork)
+    out = tmp_path / "pids_out.txt"
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent(WORKERS_WRITE_PIDS).replace("/PIDS_OUT", str(out)))
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], 2, 20, cwd=str(tmp_path))
+    try:
+        ms = v.measure({})
+    finally:
+        v.close()
+    assert ms is not None and ms > 0
+    [run] = v.log
+    assert run["ended"] and run["ms"] == ms and run["fork"] == (fork == "1"), run
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) == 2, pids                 # the workers were up when the window was timed
+    import time
+    deadline = time.monotonic() + 5             # SIGKILLed: gone as soon as they are reaped
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.05)
+    assert not alive, f"loader workers outlived their run: {alive}"
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is no zombie (killed, not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return not f.read().rsplit(") ", 1)[1].startswith("Z")
+    except OSError:
+        return False
+
+
 CPU_BOUND_LOADER = """
     import torch
     from torch.utils.data import DataLoader, Dataset
