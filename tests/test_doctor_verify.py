@@ -700,3 +700,30 @@ def test_default_verification_stops_at_its_deadline_and_says_so(tmp_path, monkey
     v.runner = runner = _TimedRunner(0.01)
     assert v.paired({"compile": "reduce-overhead"})["kept"] and not v.out_of_time
     assert runner.timeouts == [60] * 4
+
+
+def test_the_run_that_estimates_verification_is_the_first_pairs_baseline(tmp_path):
+    # The default doctor times one run without a fix to estimate the rest; when the first pair
+    # comes next, that run is its run without the fix, not one more (imagenet -j 4 on an H100:
+    # 6 runs of 9.8 s with 72 s left, so verification was off). A run between them (a sweep's)
+    # makes it stale: the pair then times its own.
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=1, steps=5, pairs=3,
+                         timeout_s=60, cwd=str(tmp_path))
+    v.runner = runner = _TimedRunner(0.0, ms=10.0, fixed_ms=(5.0,))
+    assert v.measure_baseline() == 10.0 and v.has_spare
+    r = v.paired({"compile": "reduce-overhead"})
+    assert len(runner.timeouts) == 6, "the baseline's run and 5 more make 3 pairs"
+    assert r["runs"] == {"without": [10.0] * 3, "with": [5.0] * 3} and r["kept"], r
+    assert not v.has_spare
+    # Used once: the next fix's pairs time their own runs.
+    v.paired({"compile": "reduce-overhead"})
+    assert len(runner.timeouts) == 12
+    # Stale once another run came between.
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], warmup=1, steps=5, pairs=3,
+                         timeout_s=60, cwd=str(tmp_path))
+    v.runner = runner = _TimedRunner(0.0)
+    v.measure_baseline()
+    v.sweep_workers([2], {})
+    assert not v.has_spare
+    v.paired({"compile": "reduce-overhead"})
+    assert len(runner.timeouts) == 2 + 6
