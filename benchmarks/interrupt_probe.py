@@ -7,7 +7,10 @@ stack kept per trial: the trials whose steps were lost print where their interru
 
 --contend N runs N other processes of back-to-back CUDA matmuls meanwhile: on an H100 shared
 with 3 other test processes that test lost 36 of 995 rows (caller, tensor) where alone it lost
-none (1,003 calls caller, 2,047 thread; 2026-12-06)."""
+none (1,003 calls caller, 2,047 thread; 2026-12-06). The test's interrupts come 10-400 us into a
+trial; here they come 0.25-40 calls' time in, the call timed first: with 3 matmul processes
+each call waits for the GPU's time slice, and the test's window ended every trial before its
+first call (a run on an H100 made 0 calls). Not run on a GPU since that change."""
 import argparse
 import collections
 import multiprocessing
@@ -58,13 +61,23 @@ def main() -> None:
                 got.append(r.step)
 
     log = syncless.Logger(every=2, windows=1, sinks=[RowByRow()], delivery=ns.delivery)
+    # The interrupts land within the first ~40 calls of a trial: uniform over 0.25 to 40 calls'
+    # time, measured here (alone a call takes ~10 us; with --contend's processes sharing the GPU,
+    # each waits for a time slice: a fixed 10-400 us window then ended every trial before its
+    # first call returned, and a run of 600 trials made 0 calls).
+    import time
+    t = time.perf_counter()
+    for _ in range(50):
+        log(x=torch.tensor(float(log.stats.steps), device="cuda"))
+    call_s = (time.perf_counter() - t) / 50
+    print(f"one call: {call_s * 1e6:.1f} us", flush=True)
     signal.signal(signal.SIGALRM, handler)
     random.seed(36)
     trials = []
     for _ in range(ns.trials):
         first, n = log.stats.steps, len(where)
         try:
-            signal.setitimer(signal.ITIMER_REAL, random.uniform(1e-5, 4e-4))
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(0.25, 40) * call_s)
             for _ in range(20000):
                 log(x=torch.tensor(float(log.stats.steps), device="cuda"))
         except Interrupt:
