@@ -1397,7 +1397,7 @@ def test_the_stack_samplers_lines_never_read_every_installed_distribution(monkey
     monkeypatch.setattr(importlib.metadata, "packages_distributions",
                         lambda: everything.append(1) or {})
     monkeypatch.setattr(_frames, "_tops", {})
-    monkeypatch.setattr(_frames, "_shorts", {}, raising=False)
+    monkeypatch.setattr(_frames, "_shorts", {})
     read = []
     real = importlib.metadata.distributions
     monkeypatch.setattr(importlib.metadata, "distributions",
