@@ -727,3 +727,59 @@ def test_the_run_that_estimates_verification_is_the_first_pairs_baseline(tmp_pat
     assert not v.has_spare
     v.paired({"compile": "reduce-overhead"})
     assert len(runner.timeouts) == 2 + 6
+
+
+def test_default_verification_measures_the_leading_fixes_that_fit(tmp_path, monkeypatch):
+    # An HF Trainer on an H100 had three framework findings, each a setting and the drop-in
+    # they share: 30 runs of ~17 s were estimated, so none was measured. By default the doctor
+    # now measures the fixes in the report's order as far as its time goes (a shared setting
+    # once), and says which it left and why.
+    from time import perf_counter
+    from types import SimpleNamespace
+    from syncless.doctor.diagnose import Diagnosis
+    monkeypatch.setattr(_verify, "MIN_RUN_S", 0.05)
+    monkeypatch.setattr(_verify, "Runner", lambda env: _TimedRunner(0.1))
+    monkeypatch.setattr(cli, "REPORT_S", 0.0)
+
+    def diagnosis():
+        fs = [Finding("framework", f"lightning syncs {n}×/step ({what})", 1.0, "", [], "",
+                      {"apply": {"lightning": {what: False}}, "dropin": "lightning"})
+              for n, what in ((3, "enable_progress_bar"), (2, "enable_model_summary"),
+                              (1, "enable_checkpointing"))]
+        d = Diagnosis.__new__(Diagnosis)
+        d.findings, d.gpu, d.framework = fs, True, "lightning"
+        d.verdict_kind, d.speedups, d.summary = "CPU-bound", [], SimpleNamespace(loader={})
+        d.verify_lines, d.verify_runs = [], (0, 0.0)
+        return d, fs
+
+    ns = SimpleNamespace(verify=None, verify_pairs=3, script=str(tmp_path / "train.py"),
+                         args=[])
+    session = SimpleNamespace(done={"warm-up": 1}, plan={"plain": 5})
+    d, (a, b, c) = diagnosis()
+    assert _verify.fix_runs(_verify.setting_fixes(d), 3, 0, 2) == [6, 6, 6, 0, 6, 0]
+    # 24 runs of 0.1 s do not fit 1.6 s: one is timed (the first pair's baseline), then the
+    # first finding's setting (5 more runs) and the drop-in (6) fit; the second's setting
+    # would end at 1.8 s.
+    monkeypatch.setattr(cli, "VERIFY_BUDGET_S", 1.6)
+    cli._verify_fixes(ns, session, d, str(tmp_path), 0.1, None, perf_counter())
+    assert d.verify_runs[0] == 12, d.verify_lines
+    label = "Trainer(callbacks=[syncless.lightning.SynclessLogging()])"
+    assert d.verify_lines[0].startswith("Trainer(enable_progress_bar=False): 10.00 -> 5.00 ")
+    assert d.verify_lines[0].endswith(": kept")
+    assert d.verify_lines[1].startswith(f"{label}: 10.00 -> 5.00 ")
+    assert a.verified["kept"] and a.extra["dropin_verified"]["kept"]
+    assert b.extra["dropin_verified"] is c.extra["dropin_verified"] is \
+        a.extra["dropin_verified"], "the shared drop-in, measured once, stands for all three"
+    assert b.verified is None and c.verified is None
+    assert d.verify_lines[2:] == [
+        f"Trainer({what}=False): not measured (by default verification ends at 2 s; its 12 "
+        "runs would take about 1 s more: python -m syncless doctor --verify measures every fix)"
+        for what in ("enable_model_summary", "enable_checkpointing")]
+    # Not even the first fix fits: verification is off, with the timed run's seconds.
+    d, _ = diagnosis()
+    monkeypatch.setattr(cli, "VERIFY_BUDGET_S", 0.3)
+    cli._verify_fixes(ns, session, d, str(tmp_path), 0.1, None, perf_counter())
+    assert d.verify_runs[0] == 0
+    [line] = d.verify_lines
+    assert line.startswith("off: its 24 runs would take about 2 s (one, timed in a scratch copy "
+                           "of the working directory, took 0.1 s)"), line

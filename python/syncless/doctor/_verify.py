@@ -484,6 +484,20 @@ def setting_fixes(d: Diagnosis) -> list[Setting]:
     return out
 
 
+def fix_runs(fixes: list[Setting], pairs: int, current: int, cpus: int) -> list[int]:
+    """The runs each fix of `fixes` adds to verification at `pairs` pairs: a loader fix's sweep
+    and pairs, a setting's pairs; none for a setting an earlier fix shares (it runs once)."""
+    out, seen = [], set()
+    for f, label, settings, _ in fixes:
+        if label == "loader" and f is not None:
+            out.append(2 * pairs + len(finding_candidates(f, current, cpus)))
+            continue
+        key = json.dumps(settings, sort_keys=True)
+        out.append(0 if key in seen else 2 * pairs)
+        seen.add(key)
+    return out
+
+
 def _record(finding: Finding | None, slot: str, result: dict[str, Any] | None) -> None:
     if finding is None:
         return
@@ -493,13 +507,26 @@ def _record(finding: Finding | None, slot: str, result: dict[str, Any] | None) -
         finding.extra[slot] = result
 
 
-def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int) -> list[str]:
-    """Measure each setting fix of diagnosis `d`; set each finding's `verified`; returns lines
-    for the report."""
+def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int,
+           upto: int | None = None, why_not: str = "") -> list[str]:
+    """Measure each setting fix of diagnosis `d` (the first `upto` of them: the rest are not
+    measured, `why_not`); set each finding's `verified`; returns lines for the report."""
     lines: list[str] = []
     fixes = setting_fixes(d)
     done: dict[str, dict[str, Any] | None] = {}    # a setting two findings share runs once
-    for finding, label, settings, slot in fixes:
+    skipped: set[str] = set()
+    for i, (finding, label, settings, slot) in enumerate(fixes):
+        if upto is not None and i >= upto:
+            key = json.dumps(settings, sort_keys=True)
+            if settings is None:                    # a loader fix (its sweep chooses)
+                lines.append(f"{finding.title if finding else label}: its loader fix not "
+                             f"measured ({why_not})")
+            elif key in done:                       # measured already, for an earlier fix
+                _record(finding, slot, done[key])
+            elif key not in skipped:
+                lines.append(f"{label}: not measured ({why_not})")
+            skipped.add(key)
+            continue
         if label == "loader" and finding is not None:
             current = loader.get("num_workers") or 0
             extra = {"persistent_workers": True}

@@ -185,9 +185,8 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
         return
     cpus = cpu_count()
     loader = d.summary.loader or {}
-    runs = sum(2 * ns.verify_pairs + (len(_verify.finding_candidates(
-        f, loader.get("num_workers") or 0, cpus))
-        if label == "loader" and f is not None else 0) for f, label, _, _ in fixes)
+    per = _verify.fix_runs(fixes, ns.verify_pairs, loader.get("num_workers") or 0, cpus)
+    runs = sum(per)
     # A measured run takes about what the doctor took to reach the end of its unobserved window
     # (the interpreter's start, the script's setup, warm-up and the window).
     estimate = runs * elapsed_s
@@ -197,7 +196,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
     if ns.verify is None and why is not None:
         d.verify_lines = [f"off: {why}; pass --verify to run them anyway"]
         return
-    if ns.verify is None and estimate > PROBE_OVER * budget:
+    if ns.verify is None and per[0] * elapsed_s > PROBE_OVER * budget:
         d.verify_lines = [_over_budget(runs, estimate, budget)]
         return
     if why is not None:
@@ -208,6 +207,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
                          max(session.plan["plain"], 5), ns.verify_pairs,
                          timeout_s=max(120.0, 10 * elapsed_s), cwd=cwd, scratch=scratch,
                          deadline=end if ns.verify is None else None)
+    upto, why_not = None, ""
     try:
         if ns.verify is None and estimate > budget:
             # The doctor's own run paid imports a measured run does not (forks of a server
@@ -218,12 +218,28 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
             f, label = fixes[0][0], fixes[0][1]
             sweeps = label == "loader" and f is not None and bool(_verify.finding_candidates(
                 f, loader.get("num_workers") or 0, cpus))
-            estimate = v.seconds + (runs - (1 if v.has_spare and not sweeps else 0)) * v.last_s
-            if estimate > budget:
-                d.verify_lines = [_over_budget(runs, estimate, budget, v.last_s)]
+            spare = 1 if v.has_spare and not sweeps else 0
+            # The fixes in the report's order, as many as fit (HF Trainer on an H100: three
+            # findings, each a setting and the drop-in, 30 runs of ~17 s: none was measured).
+            upto, spent = 0, v.seconds
+            for i, n in enumerate(per):
+                spent += (n - (spare if i == 0 else 0)) * v.last_s
+                if spent > budget:
+                    break
+                upto = i + 1
+            if upto == 0:
+                d.verify_lines = [_over_budget(runs, v.seconds + (runs - spare) * v.last_s,
+                                               budget, v.last_s)]
                 return
+            if upto < len(per):
+                rest = sum(per[upto:])
+                why_not = (f"by default verification ends at {VERIFY_BUDGET_S:.0f} s; its "
+                           f"{rest} runs would take about {rest * v.last_s:.0f} s more: "
+                           "python -m syncless doctor --verify measures every fix")
+            else:
+                upto = None
         meter = LoadMeter()
-        d.verify_lines = _verify.verify(d, v, loader, cpus)
+        d.verify_lines = _verify.verify(d, v, loader, cpus, upto, why_not)
         d.verify_load = meter.read()
         d.verify_runs = (v.runs, v.seconds)
         d.verify_where = (f"each in a fresh copy of the working directory under {scratch.root} "
