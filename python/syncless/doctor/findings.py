@@ -260,8 +260,9 @@ def _swept(sweep: Sweep, plan: WorkerPlan, target: float, step_ms: float,
         return 0, False, [Fix(
             f"no CPU is free for a worker: the workers compute ({busy}), and {how}, so a "
             f"worker would take its CPU from the step ({measured}); {CHEAPER}. How the step "
-            "and workers share the CPUs is not measured here: python -m syncless doctor "
-            "--verify times the loop itself with 1, 2, 4 ... workers, up to the CPUs", None,
+            "and workers share the CPUs, the side loaders do not measure: --verify times the "
+            "loop itself with 1, 2, 4 ... workers, up to the CPUs (on by default when its runs "
+            "fit)", None,
             "workers")]
     else:
         predicted = sweep.predicted_ms(k, target)
