@@ -107,6 +107,39 @@ def test_a_verifying_run_ends_when_measured_and_leaves_no_worker(tmp_path, monke
     assert not alive, f"loader workers outlived their run: {alive}"
 
 
+def test_the_server_imports_the_scripts_frameworks_once_and_never_a_thread(tmp_path,
+                                                                            monkeypatch):
+    """Each verifying run imported its frameworks again (lightning 3.2 s, transformers 1.9 s on
+    this 2-core host): the server imports those the script imported, once. One that fails to
+    import is left to the run; one that starts a thread (a fork keeps only the forking thread)
+    makes the server start again without any."""
+    from syncless.doctor._forkserver import PRELOAD, Runner
+    monkeypatch.setenv("SYNCLESS_DOCTOR_FORKSERVER", "1")
+    (tmp_path / "thready.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "train.py").write_text(
+        "import sys\nopen('seen.txt', 'w').write(' '.join(m for m in "
+        "('wave', 'thready', 'no_such_module_here') if m in sys.modules))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    argv = ["--measure", str(tmp_path / "m.json"), "--exit-when-measured", "train.py"]
+    for preload, seen in ((("wave", "no_such_module_here"), "wave"), (("wave", "thready"), "")):
+        r = Runner(_verify.run_env(), preload)
+        try:
+            assert r.run(argv, str(tmp_path), 120) == 0
+            assert r.forks, "a fork of the server, with or without the preloads"
+            assert (tmp_path / "seen.txt").read_text() == seen
+            assert r.preload == (preload if seen else ()), r.preload
+        finally:
+            r.close()
+    assert {"transformers", "lightning"} <= set(PRELOAD)
+    # The doctor's Verifier asks for those the script (here: this process) imported.
+    v = _verify.Verifier(str(tmp_path / "train.py"), [], 1, 5, cwd=str(tmp_path))
+    assert v.runner.preload == tuple(m for m in PRELOAD if m in sys.modules)
+    v.close()
+
+
 def _running(pid: int) -> bool:
     """The process exists and is no zombie (killed, not reaped yet)."""
     try:
@@ -738,7 +771,7 @@ def test_default_verification_measures_the_leading_fixes_that_fit(tmp_path, monk
     from types import SimpleNamespace
     from syncless.doctor.diagnose import Diagnosis
     monkeypatch.setattr(_verify, "MIN_RUN_S", 0.05)
-    monkeypatch.setattr(_verify, "Runner", lambda env: _TimedRunner(0.1))
+    monkeypatch.setattr(_verify, "Runner", lambda env, preload: _TimedRunner(0.1))
     monkeypatch.setattr(cli, "REPORT_S", 0.0)
 
     def diagnosis():

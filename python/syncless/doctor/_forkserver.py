@@ -22,15 +22,34 @@ import sys
 from time import perf_counter
 from typing import IO, Any
 
-__all__ = ["Runner", "serve"]
+__all__ = ["PRELOAD", "Runner", "serve"]
+
+
+# Frameworks a run imports again each time, when the script imported them: imported once in the
+# server instead (this 2-core host, torch already imported: lightning 3.2 s, transformers with
+# its Trainer 1.9 s). None starts a thread or CUDA on import; should one, the server starts
+# again without them (a fork keeps only the forking thread, and cannot use CUDA).
+PRELOAD = ("transformers", "accelerate", "lightning", "pytorch_lightning", "torchvision",
+           "torchmetrics", "timm")
 
 
 def serve() -> None:
     """The server's loop (stdin: requests, stdout: replies)."""
+    import contextlib
+    import importlib
+    import threading
     import torch
     import torch._dynamo  # noqa: F401  (every optimizer's first step imports it: 1-2 s)
     import torch.utils.data  # noqa: F401
     from . import cli  # noqa: F401  (imported once here: what the runs would each import)
+    for name in filter(None, os.environ.pop("SYNCLESS_DOCTOR_PRELOAD", "").split(",")):
+        try:
+            with contextlib.redirect_stdout(sys.stderr):    # stdout is for the replies
+                importlib.import_module(name)
+        except Exception:                      # the run imports it (and fails) as it would
+            pass
+    if threading.active_count() > 1:
+        sys.exit(4)                            # a fork would lose a thread: again, without
     if torch.cuda.is_initialized():            # type: ignore[no-untyped-call]
         sys.exit(3)                            # forks could not use CUDA: no server
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
@@ -81,8 +100,9 @@ class Runner:
     """Runs `python -m syncless doctor ARGV` in a directory, through the server when it starts,
     else as a fresh interpreter."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
         self.env = env
+        self.preload = preload                 # of PRELOAD, what the server imports first
         self._proc: subprocess.Popen[bytes] | None = None
         self._tried = os.environ.get("SYNCLESS_DOCTOR_FORKSERVER", "1") == "0" or \
             not hasattr(os, "fork")
@@ -124,17 +144,11 @@ class Runner:
         if self._proc is not None or self._tried:
             return self._proc
         self._tried = True
-        # NVML's device count, not CUDA's, should an import ask whether CUDA is there: CUDA's
-        # initialises the driver, which a forked process then cannot use.
-        proc = subprocess.Popen([sys.executable, "-c",
-                                 "from syncless.doctor._forkserver import serve; serve()"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, bufsize=0,
-                                env=dict(self.env, PYTORCH_NVML_BASED_CUDA_CHECK="1"))
-        assert proc.stdout is not None
-        if not _reply(proc.stdout, 300.0).get("ready"):
-            proc.kill()
-            proc.wait()
+        proc = _serve(self.env, self.preload)
+        if proc is None and self.preload:      # a preload made a thread or CUDA: without
+            self.preload = ()
+            proc = _serve(self.env, ())
+        if proc is None:
             return None
         self._proc = proc
         # A Runner dropped without close() (a Verifier a caller never closed) still ends its
@@ -156,6 +170,28 @@ class Runner:
         proc, self._proc = self._proc, None
         if proc is not None:
             self._stop()
+
+
+def _serve(env: dict[str, str], preload: tuple[str, ...]) -> subprocess.Popen[bytes] | None:
+    """A started server (importing `preload` first), or None."""
+    # NVML's device count, not CUDA's, should an import ask whether CUDA is there: CUDA's
+    # initialises the driver, which a forked process then cannot use.
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "from syncless.doctor._forkserver import serve; serve()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, bufsize=0,
+                            env=dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1",
+                                     SYNCLESS_DOCTOR_PRELOAD=",".join(preload)))
+    assert proc.stdout is not None
+    if not _reply(proc.stdout, 300.0).get("ready"):
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        return None
+    return proc
 
 
 def _end_group(pid: int) -> None:

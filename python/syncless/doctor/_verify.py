@@ -40,13 +40,14 @@ import inspect
 import json
 import os
 import re
+import sys
 import tempfile
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import _stats
 from ._frameworks import DROPINS, applied_label
-from ._forkserver import Runner
+from ._forkserver import PRELOAD, Runner
 from ._isolate import TRACKERS_OFF
 from ._scratch import Scratch
 
@@ -268,7 +269,8 @@ class Verifier:
         self.out_of_time = False
         self.cwd = cwd or os.getcwd()
         self.scratch = scratch
-        self.runner = Runner(run_env())
+        # The frameworks the script imported (in the doctor's own run): the server imports them.
+        self.runner = Runner(run_env(), tuple(m for m in PRELOAD if m in sys.modules))
         self.runs = 0
         self.seconds = 0.0          # all of it: the runs and the server's start
         self.last_s = 0.0           # the last run's
