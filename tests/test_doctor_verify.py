@@ -134,10 +134,15 @@ def test_the_server_imports_the_scripts_frameworks_once_and_never_a_thread(tmp_p
         finally:
             r.close()
     assert {"transformers", "lightning"} <= set(PRELOAD)
-    # The doctor's Verifier asks for those the script (here: this process) imported.
+    # The doctor's Verifier asks for the modules of those the script (here: this process)
+    # imported, in their order; past a limit, only the packages themselves.
+    pytest.importorskip("lightning.fabric.utilities")
     v = _verify.Verifier(str(tmp_path / "train.py"), [], 1, 5, cwd=str(tmp_path))
-    assert v.runner.preload == tuple(m for m in PRELOAD if m in sys.modules)
     v.close()
+    mods = [m for m in sys.modules if m.partition(".")[0] in PRELOAD]
+    assert v.runner.preload == tuple(mods) and "lightning.fabric.utilities" in mods
+    assert "lightning" in _verify.preloads(limit=10)
+    assert not [m for m in _verify.preloads(limit=10) if "." in m]
 
 
 def _running(pid: int) -> bool:

@@ -25,10 +25,11 @@ from typing import IO, Any
 __all__ = ["PRELOAD", "Runner", "serve"]
 
 
-# Frameworks a run imports again each time, when the script imported them: imported once in the
-# server instead (this 2-core host, torch already imported: lightning 3.2 s, transformers with
-# its Trainer 1.9 s). None starts a thread or CUDA on import; should one, the server starts
-# again without them (a fork keeps only the forking thread, and cannot use CUDA).
+# Frameworks a run imports again each time, when the script imported them: their modules the
+# doctor's own run imported are imported once in the server instead (this 2-core host, torch
+# already imported: lightning 3.2 s, transformers with its Trainer 1.9 s). None starts a thread
+# or CUDA on import; should one, the server starts again without them (a fork keeps only the
+# forking thread, and cannot use CUDA).
 PRELOAD = ("transformers", "accelerate", "lightning", "pytorch_lightning", "torchvision",
            "torchmetrics", "timm")
 
@@ -102,7 +103,7 @@ class Runner:
 
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
         self.env = env
-        self.preload = preload                 # of PRELOAD, what the server imports first
+        self.preload = preload                 # modules the server imports first
         self._proc: subprocess.Popen[bytes] | None = None
         self._tried = os.environ.get("SYNCLESS_DOCTOR_FORKSERVER", "1") == "0" or \
             not hasattr(os, "fork")
