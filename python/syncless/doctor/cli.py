@@ -215,9 +215,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
             v.measure_baseline()
             # That run is the first pair's without the fix, unless a sweep of the loop comes
             # first (imagenet -j 4 on an H100: 6 runs of 9.8 s, 72 s left: 5 more fit).
-            f, label = fixes[0][0], fixes[0][1]
-            sweeps = label == "loader" and f is not None and bool(_verify.finding_candidates(
-                f, loader.get("num_workers") or 0, cpus))
+            sweeps = per[0] > 2 * ns.verify_pairs       # its runs beyond the pairs: a sweep
             spare = 1 if v.has_spare and not sweeps else 0
             # The fixes in the report's order, as many as fit (HF Trainer on an H100: three
             # findings, each a setting and the drop-in, 30 runs of ~17 s: none was measured).
