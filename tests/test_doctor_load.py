@@ -149,3 +149,13 @@ def test_the_report_says_the_run_was_measured_under_load(tmp_path):
     verdict = next(i for i, line in enumerate(lines) if line.startswith("verdict"))
     assert at < verdict and lines[verdict].endswith(" (measured under load)"), r.stdout
     assert "every time below was measured under that load" in lines[at]
+
+
+def test_the_doctors_120_s_count_from_the_interpreters_start():
+    # The user's clock starts with `python -m syncless doctor`: the imports before the doctor's
+    # own clock count (an HF Trainer's doctor on an H100: 121.4 s by the user's clock).
+    r = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5); "
+                        "from syncless.doctor._load import process_age_s; print(process_age_s())"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert 1.5 <= float(r.stdout) < 30, r.stdout

@@ -14,7 +14,7 @@ from time import perf_counter
 
 from ._loader import cpu_count
 
-__all__ = ["Load", "LoadMeter", "LOADED"]
+__all__ = ["Load", "LoadMeter", "LOADED", "process_age_s"]
 
 LOADED = 0.25            # others keeping this share of the CPUs busy (at least half a CPU): loaded
 MIN_WALL_S = 0.5         # over less, /proc/stat's 10-ms ticks say nothing: never "loaded"
@@ -66,6 +66,18 @@ def _stat(pid: int | str) -> list[str] | None:
             return f.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError, UnicodeDecodeError):
         return None
+
+
+def process_age_s() -> float:
+    """Seconds since this process started: the interpreter's start and its imports, which the
+    user's clock counts and the doctor's own does not (0 where /proc does not say)."""
+    stat = _stat("self")
+    try:
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return max(0.0, up - int(stat[19]) / _TICK) if stat else 0.0
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _children(pid: int) -> list[int]:
