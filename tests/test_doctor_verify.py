@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from syncless.doctor import _verify, cli
-from syncless.doctor.findings import Finding
+from syncless.doctor.findings import Finding, Fix
 
 
 def test_worker_sweep_counts():
@@ -684,8 +684,9 @@ class _TimedRunner:
     fix applied): the Verifier's timing without the script."""
     forks = False
 
-    def __init__(self, seconds, ms=10.0, fixed_ms=(5.0,)):
+    def __init__(self, seconds, ms=10.0, fixed_ms=(5.0,), fixed_seconds=None):
         self.seconds, self.ms, self.fixed_ms = seconds, ms, list(fixed_ms)
+        self.fixed_seconds = seconds if fixed_seconds is None else fixed_seconds
         self.timeouts = []
 
     def start(self):
@@ -703,8 +704,8 @@ class _TimedRunner:
         if self.seconds > timeout_s:
             time.sleep(timeout_s)
             return None                               # stopped at its timeout
-        time.sleep(self.seconds)
         fixed = json.loads(argv[argv.index("--apply") + 1])
+        time.sleep(self.fixed_seconds if fixed else self.seconds)
         if fixed:                                     # the fix's readings, in turn
             self.fixed_ms.append(self.fixed_ms.pop(0))
         with open(argv[argv.index("--measure") + 1], "w") as f:
@@ -821,3 +822,53 @@ def test_default_verification_measures_the_leading_fixes_that_fit(tmp_path, monk
     [line] = d.verify_lines
     assert line.startswith("off: its 24 runs would take about 2 s (one, timed in a scratch copy "
                            "of the working directory, took 0.1 s)"), line
+
+
+def test_a_loader_fixs_runs_are_estimated_at_its_shorter_step(tmp_path, monkeypatch):
+    # imagenet -j 4 on an H100: the timed run took 10.0 s, ~8 s of it 37 steps at 216 ms; its 6
+    # runs were estimated at 69 s with 64 s left, so verification was off, though the runs with
+    # 16 workers (a step of ~70 ms predicted) take about half. The pairs are estimated with the
+    # fixed runs' window at the predicted step, and the fix is measured.
+    from time import perf_counter
+    from types import SimpleNamespace
+    from syncless.doctor.diagnose import Diagnosis
+    monkeypatch.setattr(_verify, "MIN_RUN_S", 0.05)
+    monkeypatch.setattr(cli, "REPORT_S", 0.0)
+    # Runs of 0.4 s, 0.36 s of it the window (1 + 5 steps of 60 ms); with the fix, 15 ms.
+    monkeypatch.setattr(_verify, "Runner", lambda env, preload: _TimedRunner(
+        0.4, ms=60.0, fixed_ms=(15.0,), fixed_seconds=0.13))
+
+    def diagnosis():
+        f = Finding("starvation", "DataLoader starvation", 75.0, "", [Fix("num_workers=16", 25.0)],
+                    "", {"workers_needed": 16, "sweep": {"period_ms": 25.0}})
+        d = Diagnosis.__new__(Diagnosis)
+        d.findings, d.gpu, d.framework, d.step_ms = [f], True, None, 100.0
+        d.verdict_kind, d.speedups = "data-bound", []
+        d.summary = SimpleNamespace(loader={"num_workers": 4})
+        d.verify_lines, d.verify_runs = [], (0, 0.0)
+        return d, f
+
+    ns = SimpleNamespace(verify=None, verify_pairs=3, script=str(tmp_path / "train.py"),
+                         args=[])
+    session = SimpleNamespace(done={"warm-up": 1}, plan={"plain": 5})
+    d, f = diagnosis()
+    fixes = _verify.setting_fixes(d)
+    assert _verify.fix_runs(fixes, 3, 4, 16) == [6], "the pairs alone: side loaders measured"
+    assert _verify.fix_ratio(d, fixes[0], 4, 16) == 0.25
+    # 6 runs at 0.4 s: 2.4 s, over the 2 s; with the fixed runs at 0.4 - 0.36 * 0.75 = 0.13 s:
+    # 1.6 s, which fits.
+    monkeypatch.setattr(cli, "VERIFY_BUDGET_S", 2.0)
+    cli._verify_fixes(ns, session, d, str(tmp_path), 0.4, None, perf_counter())
+    assert d.verify_runs[0] == 6, d.verify_lines
+    assert f.verified["kept"] and f.verified["runs"] == {"without": [60.0] * 3,
+                                                         "with": [15.0] * 3}, f.verified
+    assert d.verify_lines[0].startswith("num_workers=16, ")
+    # Where the fix's step is not known (a sweep of the loop, compile), the runs are the timed
+    # one's: the same 2 s say off.
+    d, f = diagnosis()
+    f.extra["sweep"] = {}
+    assert _verify.fix_ratio(d, _verify.setting_fixes(d)[0], 4, 16) is None
+    d.findings[0].kind = "launch-bound"
+    cli._verify_fixes(ns, session, d, str(tmp_path), 0.4, None, perf_counter())
+    assert d.verify_runs[0] == 0 and d.verify_lines[0].startswith(
+        "off: its 6 runs would take about 2 s (one, timed"), d.verify_lines
