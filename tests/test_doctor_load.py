@@ -159,3 +159,17 @@ def test_the_doctors_120_s_count_from_the_interpreters_start():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert 1.5 <= float(r.stdout) < 30, r.stdout
+
+
+def test_only_the_command_lines_doctor_counts_the_interpreters_start(monkeypatch, tmp_path):
+    # A doctor called inside a longer-lived process (a test, a notebook) counts from its call.
+    from syncless import __main__ as entry
+    from syncless.doctor import cli
+    seen = []
+    monkeypatch.setattr(cli, "run", lambda ns: seen.append(ns.from_start) or 0)
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    monkeypatch.setattr(sys, "argv", ["syncless", "doctor", str(script)])
+    assert entry.main() == 0 and entry.main(["doctor", str(script)]) == 0
+    assert seen == [True, False]
+    assert cli.parse_args([str(script)]).from_start is False

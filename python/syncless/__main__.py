@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None, prog: str = "syncless") -> int:
         parser.print_help(sys.stderr)         # a newcomer's first try: the commands, not an error
         return 2
     ns = parser.parse_args(argv)
+    ns.from_start = argv is None              # the command line's: its clock is the user's
     run: Callable[[argparse.Namespace], int] = ns.run
     return run(ns)
 
