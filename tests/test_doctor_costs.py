@@ -443,6 +443,33 @@ def test_a_graph_of_a_step_that_syncs_wins_only_what_it_adds_to_removing_the_syn
     assert d.verdict_kind == "CPU-bound" and "a sync leaves the GPU idle" in d.verdict
 
 
+def test_probed_steps_a_sync_held_say_the_sync_not_a_slow_batch():
+    # On an H100, 5 of 7 public scripts (1-7 syncs a step) got "took the host longer than the
+    # GPU sleep (a slow batch?)" for every probed step: a sync waits out the sleep itself.
+    from syncless.doctor._frames import Site
+    from syncless.doctor._session import ScriptSession
+    from syncless.doctor._session_report import _notes
+    from syncless.doctor.audit import SyncSite
+    from syncless.doctor.diagnose import QueueProbe
+
+    def notes(syncs):
+        s = ScriptSession()
+        probe = s.probing.probe = QueueProbe(10.0)
+        probe.uncovered = 3
+        if syncs:
+            s.audit.sites[("k",)] = SyncSite(Site("train.py", 9, "<module>", "x.item()", ""),
+                                             {"cudaStreamSynchronize": 2 * syncs}, 2 * syncs)
+            s.audit.steps = 2
+        return [n for n in _notes(s) if "probed" in n]
+
+    assert notes(7) == ["3 of the probed steps were not timed with the GPU's queue full: the "
+                        "step syncs 7×, and a sync waits out the GPU sleep that holds the "
+                        "step's kernels back; the GPU work is the kernel trace's"]
+    assert notes(0) == ["3 of the probed steps were not timed with the GPU's queue full: they "
+                        "took the host longer than the GPU sleep that held their kernels back "
+                        "(a slow batch?); the GPU work is the kernel trace's"]
+
+
 def test_a_probed_step_that_outlasted_its_sleep_is_not_timed():
     from syncless.doctor.diagnose import QueueProbe, covered
     # resnet_decode on a loaded H200 host: 84.8 ms steps, one worker batch in 170 ms: a probed

@@ -88,9 +88,15 @@ def _notes(s: ScriptSession) -> list[str]:
                         + (f": the steps end at each {kind} instead" if kind else ""))
     probe = s.probing.probe
     if probe is not None and probe.uncovered:
-        notes.append(f"{probe.uncovered} of the probed steps took the host longer than "
-                     "the GPU sleep that held their kernels back (a slow batch?): not timed"
-                     + ("" if probe.steps else "; the GPU work is the trace's"))
+        # A sync in the step waits for the sleep itself: every probed step then outlasts it
+        # (5 of 7 public scripts on an H100, each syncing 1-7 times a step).
+        syncs = s.audit.syncs_per_step() if s.audit.sites else 0.0
+        why = (f"the step syncs {syncs:.3g}×, and a sync waits out the GPU sleep that holds "
+               "the step's kernels back" if syncs >= 1 else "they took the host longer than "
+               "the GPU sleep that held their kernels back (a slow batch?)")
+        notes.append(f"{probe.uncovered} of the probed steps were not timed with the GPU's "
+                     f"queue full: {why}"
+                     + ("" if probe.steps else "; the GPU work is the kernel trace's"))
     return notes
 
 
