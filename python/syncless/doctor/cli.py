@@ -113,9 +113,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="paired runs (with and without the fix) per fix before the comparison "
                         "decides (default 3; more while it is unclear, up to 8)")
     p.add_argument("--measure", metavar="PATH", help=argparse.SUPPRESS)
-    # The command line's own run (not a call inside a longer-lived process): the 120 s of the
-    # default verification count from the interpreter's start.
-    p.set_defaults(from_start=False)
     p.add_argument("--apply", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--exit-when-measured", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("script", help="the training script, run as __main__")
@@ -123,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # is missing: "required: script, args").
     p.add_argument("args", nargs=argparse.REMAINDER,
                    help="the script's own arguments").required = False
+    # The command line's own run (not a call inside a longer-lived process): the 120 s of the
+    # default verification count from the interpreter's start.
+    p.set_defaults(from_start=False)
 
 
 def checked(p: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
