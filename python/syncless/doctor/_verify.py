@@ -316,6 +316,18 @@ class Verifier:
         """measure_baseline()'s run is there for the first pair (no run came since)."""
         return self._spare is not None and self._spare[0] == len(self.log)
 
+    def with_fix_s(self, ratio: float | None) -> float:
+        """What a run with a fix that makes the step `ratio` times today's should take: the
+        timed baseline run's seconds, its window (warm-up and measured steps) at the shorter
+        step. Where the ratio is not known or not below 1 (compile: a compiled run can take many
+        times the plain one), the timed run's own seconds. imagenet -j 4 on an H100: a 10.0-s
+        run, ~8 s of it 37 steps at 216 ms; with 16 workers a step of ~70 ms is predicted:
+        ~4.6 s."""
+        if ratio is None or not 0 < ratio < 1 or self._spare is None:
+            return self.last_s
+        window = min(self.last_s, (self.warmup + self.steps) * self._spare[1] / 1e3)
+        return self.last_s - window * (1 - ratio)
+
     def _measure(self, settings: dict[str, Any]) -> tuple[float | None, bool]:
         """(the steady step, whether the run ended by itself: not timed out). The
         run starts in a fresh scratch working directory (the script through its copy there when
@@ -509,19 +521,6 @@ def fix_runs(fixes: list[Setting], pairs: int, current: int, cpus: int) -> list[
         out.append(0 if key in seen else 2 * pairs)
         seen.add(key)
     return out
-
-
-def with_fix_s(verifier: Verifier, ratio: float | None) -> float:
-    """What a run with a fix that makes the step `ratio` times today's should take: the timed
-    baseline run's seconds, its window (warm-up and measured steps) at the shorter step. Where
-    the ratio is not known or not below 1 (compile: a compiled run can take many times the plain
-    one), the timed run's own seconds. imagenet -j 4 on an H100: a 10.0-s run, ~8 s of it 37
-    steps at 216 ms; with 16 workers a step of ~70 ms is predicted: ~4.6 s."""
-    spare = verifier._spare
-    if ratio is None or not 0 < ratio < 1 or spare is None or spare[1] is None:
-        return verifier.last_s
-    window = min(verifier.last_s, (verifier.warmup + verifier.steps) * spare[1] / 1e3)
-    return verifier.last_s - window * (1 - ratio)
 
 
 def fix_ratio(d: Diagnosis, fix: Setting, current: int, cpus: int) -> float | None:

@@ -229,7 +229,7 @@ def _verify_fixes(ns: argparse.Namespace, session: "ScriptSession", d: Diagnosis
             upto, spent, total = 0, v.seconds, v.seconds
             for i, (n, fix) in enumerate(zip(per, fixes)):
                 fixed = ns.verify_pairs if n else 0           # its runs with the fix
-                with_s = _verify.with_fix_s(v, _verify.fix_ratio(d, fix, current, cpus))
+                with_s = v.with_fix_s(_verify.fix_ratio(d, fix, current, cpus))
                 total += (n - fixed - (spare if i == 0 else 0)) * v.last_s + fixed * with_s
                 if total <= budget and upto == i:
                     upto, spent = i + 1, total
