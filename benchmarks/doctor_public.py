@@ -463,8 +463,9 @@ def _verified_gain(d: dict) -> dict:
     out = []
     for f in d.get("findings", []):
         v = f.get("verified") or {}
-        predicted = (d["step_ms"] - f["predicted_ms"]) * scale \
-            if f.get("predicted_ms") is not None and d.get("step_ms") else None
+        checked = f.get("checked_ms", f.get("predicted_ms"))   # the verified fix's prediction
+        predicted = (d["step_ms"] - checked) * scale \
+            if checked is not None and d.get("step_ms") else None
         verified = v["baseline_ms"] - v["measured_ms"] \
             if v.get("baseline_ms") is not None and v.get("measured_ms") is not None else None
         out.append({"kind": f.get("kind"), "title": f.get("title"),
@@ -490,7 +491,8 @@ def run_case(name: str, device: str, pairs: int, verify: bool | None,
     res["quick"] = {k: quick_run.get(k) for k in keep} if quick else None
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",
-                                                         "wins_ms", "verified", "workers_needed",
+                                                         "checked_ms", "wins_ms", "verified",
+                                                         "workers_needed",
                                                          "fixes")}
                                   for f in full.get("findings", [])]
     # What the proof asks per script: the verdict, predicted against verified gain, the

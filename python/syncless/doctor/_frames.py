@@ -216,3 +216,46 @@ def outside_syncless(frame: FrameType | None) -> bool:
             return False
         f = f.f_back
     return True
+
+
+def _codes(*functions: object) -> frozenset[object]:
+    return frozenset(c for fn in functions if (c := getattr(fn, "__code__", None)) is not None)
+
+
+# What a CUDA graph of the model takes over: its modules' calls (forward) and autograd's backward
+# (for CUDA the engine's device threads run it while this frame waits in it).
+_MODEL_CODES = _codes(torch.nn.Module._call_impl, torch.nn.Module._wrapped_call_impl,
+                      torch.autograd.backward,
+                      getattr(torch.autograd.graph, "_engine_run_backward", None))
+_OPTIM = os.path.join(_TORCH, "optim") + os.sep
+
+
+_foreigns: dict[str, bool] = {}
+
+
+def _foreign(filename: str) -> bool:
+    """Code neither torch's nor the standard library's (the user's, a framework's, syncless')."""
+    got = _foreigns.get(filename)
+    if got is None:
+        got = _foreigns[filename] = _kind(filename) != "torch" and not stdlib(filename)
+    return got
+
+
+def step_part(frame: FrameType | None) -> str:
+    """Which part of a training step a stack sample is in: "model" (inside a module's call or
+    autograd's backward: what torch.compile(model, mode="reduce-overhead") captures in a graph),
+    "optimizer" (torch.optim's own code: a graph of the whole step captures it too) or "other"
+    (the loop's own Python, the framework's, logging, data). The optimizer's frames count only
+    with no user or framework frame inside them: a training step run in optimizer.step()'s
+    closure (Lightning's) is not the optimizer's work."""
+    part, f = "other", frame
+    while f is not None:
+        code = f.f_code
+        if code in _MODEL_CODES:
+            return "model"
+        if part == "other" and code.co_filename.startswith(_OPTIM):
+            part = "optimizer"
+        elif part == "other" and _foreign(code.co_filename):
+            part = "outside"         # the user's or a framework's code between: not the optimizer
+        f = f.f_back
+    return "optimizer" if part == "optimizer" else "other"

@@ -14,7 +14,7 @@ import sys
 import threading
 from time import perf_counter
 
-from ._frames import sampled_site, short
+from ._frames import sampled_site, short, step_part
 
 __all__ = ["StackSampler", "Line"]
 
@@ -39,6 +39,8 @@ class StackSampler:
         self.times: list[float] = []          # when each sample was taken (perf_counter) ...
         # ... and its line: lines of chosen steps
         self.keys: list[tuple[str, int, str] | None] = []
+        # samples by the part of the step they are in: "model", "optimizer", "other" (step_part)
+        self.parts: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -58,13 +60,14 @@ class StackSampler:
         self._thread = None
 
     def _run(self) -> None:
-        tid, wait, counts = self.thread_id, self._stop.wait, self.counts
+        tid, wait, counts, parts = self.thread_id, self._stop.wait, self.counts, self.parts
         while not wait(self.interval):
             frame = sys._current_frames().get(tid)
             if frame is None:
                 return
             key = sampled_site(frame)
             counts[key] += 1
+            parts[step_part(frame)] += 1
             self.times.append(perf_counter())
             self.keys.append(key)
             self.total += 1
@@ -82,6 +85,10 @@ class StackSampler:
             return None, 0
         key, count = counts.most_common(1)[0]
         return Line(key[0], key[1], key[2], count), n
+
+    def share(self, part: str) -> float | None:
+        """The share of the samples in `part` of the step (step_part); None: no samples."""
+        return self.parts[part] / self.total if self.total else None
 
     def top(self, n: int = 5, least: float = 0.03) -> list[Line]:
         """The `n` user lines with the most samples, each holding at least `least` of them."""

@@ -599,7 +599,7 @@ def verify(d: Diagnosis, verifier: Verifier, loader: dict[str, Any], cpus: int,
                 "verification's time ran out: python -m syncless doctor --verify gives it all "
                 "it takes" if verifier.out_of_time else "a run failed or timed out") + ")")
             continue
-        predicted = finding.predicted_ms if finding is not None else None
+        predicted = finding.checked_ms if finding is not None else None
         lines.append(
             f"{label}: {result['baseline_ms']:.2f} -> {result['measured_ms']:.2f} ms/step, "
             + (f"{result['win']} over {result['pairs']} pairs" if "win" in result else
