@@ -477,3 +477,85 @@ def test_a_probed_step_that_outlasted_its_sleep_is_not_timed():
     cover = QueueProbe(84.8).cover_ms
     assert cover == pytest.approx(171.6)
     assert covered(84.8, cover) and not covered(160.0, cover)
+
+
+# ---- a launch-bound step: what a graph of the model takes over ----------------------------------
+
+def _lightning_step(model_samples):
+    # A Lightning autoencoder at batch 1 on an H100: 3.93 ms steps, 0.40 ms of them waiting for
+    # data, 34 kernels of 0.19 ms in all, a launch 11.9 µs; 51 stack samples, 19 in the model's
+    # forward and backward (the rest Lightning's loop, self.log, Adam, the main-thread loader).
+    # compile(mode="reduce-overhead") measured 4.04 -> 3.92 ms there: the graph of everything
+    # predicted 0.40 ms.
+    a = cupti_audit([], kernels_per_step=34)
+    sampler = StackSampler()
+    sampler.total = 51
+    if model_samples is not None:
+        sampler.parts.update({"model": model_samples, "optimizer": 9,
+                              "other": 51 - model_samples - 9})
+        sampler.counts.update({None: 51})
+    return assess(Measured(summary(3.93, 0.398, 3.49), a, 3, 3.93, True, 3.9, 0.189, 3,
+                           launch_us=11.9, sampler=sampler if model_samples is not None
+                           else None))
+
+
+def test_compile_keeps_the_host_time_outside_the_model_and_the_verdict_says_whose_it_is():
+    d = _lightning_step(19)
+    f = d.findings[0]
+    assert f.kind == "launch-bound" and d.model_share == pytest.approx(19 / 51)
+    compile_fix = next(x for x in f.fixes if x.tag == "cuda-graph")
+    # What stays: the step outside the model's 37% (data wait, Lightning's Python, Adam).
+    assert compile_fix.predicted_ms == pytest.approx(3.93 * (1 - 19 / 51))
+    assert "they hold 1.46 ms of the step (37% of its stack samples)" in compile_fix
+    assert f.checked_ms == compile_fix.predicted_ms, "--verify compares compile's prediction"
+    whole = next(x for x in f.fixes if x.tag == "whole-graph")
+    assert whole.predicted_ms == pytest.approx(0.398) and f.predicted_ms == whole.predicted_ms
+    assert f.cost_ms == pytest.approx(3.93 - 0.398), "ranked by the best graph's win"
+    assert d.verdict.startswith("CPU-bound (host work outside the model: 37% of the step's "
+                                "stack samples are in the model's forward and backward"), d.verdict
+    assert d.as_dict()["findings"][0]["checked_ms"] == pytest.approx(compile_fix.predicted_ms)
+
+
+def test_a_step_mostly_in_the_model_stays_launch_bound():
+    d = _lightning_step(40)                  # 78% of the samples in the model
+    f = d.findings[0]
+    assert d.verdict.startswith("CPU-bound (kernel launches"), d.verdict
+    assert f.checked_ms == pytest.approx(max(0.398, 3.93 * (1 - 40 / 51)))
+    unsampled = _lightning_step(None)        # no samples: one prediction, the graph of all
+    assert unsampled.model_share is None and unsampled.verdict.startswith(
+        "CPU-bound (kernel launches")
+    assert [x.tag for x in unsampled.findings[0].fixes][:1] == ["cuda-graph"]
+    assert unsampled.findings[0].checked_ms == pytest.approx(0.398)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(0.01)                     # the model's forward: 10 ms a step
+        return self.lin(x)
+
+
+def test_the_sampler_tells_the_models_time_from_the_optimizers_and_the_loops():
+    import threading
+    net = _Net()
+    opt = torch.optim.Adam(net.parameters())
+
+    def closure():                           # a training step's own lines, run by step()
+        time.sleep(0.005)                    # (Lightning's): not the optimizer's work
+        return None
+
+    sampler = StackSampler(threading.get_ident(), 0.001)
+    sampler.start()
+    for _ in range(25):
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step(closure)
+        time.sleep(0.01)                     # the loop's own Python: 10 ms a step
+    sampler.stop()
+    assert sampler.total >= 100
+    # 10 ms in the model, 15 ms outside it, per step (sleeps: exact on any load).
+    assert sampler.share("model") == pytest.approx(0.4, abs=0.1)
+    assert sampler.share("other") == pytest.approx(0.6, abs=0.1)
+    assert sampler.share("optimizer") < 0.1
