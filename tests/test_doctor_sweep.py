@@ -176,6 +176,18 @@ class Stuck(Dataset):
         time.sleep(4)                      # a read that comes back too late
 
 
+def test_the_sweep_starts_at_the_loaders_own_count():
+    # A loader of 2 workers the step waits for needs more, never fewer: its sweep times 2, 4
+    # (imagenet's 4 workers on an H100 spent 9 of the sweep's 32 s on 1 and 2 workers).
+    loader = DataLoader(Storage(), batch_size=4, num_workers=2)
+    r = _sweep.recipe(loader)
+    assert r.workers == 2 and _sweep.recipe(iter(DataLoader(Storage(), batch_size=4))).workers == 0
+    s = _sweep.sweep(r, 15.0, CPUS)
+    assert min(s.period_ms) == 2 and 4 in s.period_ms, s
+    assert s.period_ms[2] >= 19 and s.period_ms[4] <= 0.7 * s.period_ms[2], s.text()
+    assert s.text().startswith("2: "), s.text()
+
+
 def test_side_loaders_pin_as_the_users_loader_does():
     # pin_memory=True: the side loaders' batches go through the same pinning thread (on a GPU
     # host it copies each batch on the taking process's CPU); without an accelerator torch's
