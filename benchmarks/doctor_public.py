@@ -487,7 +487,8 @@ def run_case(name: str, device: str, pairs: int, verify: bool | None,
     full = _doctor(cwd, script, args, *flag, timeout=timeout)
     keep = ("verdict", "step_ms", "plain_step_ms", "overhead", "provisional", "provisional_why",
             "periodic", "boundary", "warmup_steps", "seconds", "verify", "verify_runs",
-            "verify_seconds", "verify_where", "verify_log", "error", "notes", "report")
+            "verify_seconds", "verify_where", "verify_log", "error", "notes", "model_share",
+            "report")
     res["quick"] = {k: quick_run.get(k) for k in keep} if quick else None
     res["default"] = {k: full.get(k) for k in keep}
     res["default"]["findings"] = [{k: f.get(k) for k in ("kind", "title", "predicted_ms",
