@@ -204,7 +204,7 @@ class Monitor(Phase):
 
     def enter(self) -> None:
         self.optimizer_s = 0.0
-        self.s.sampler.start()               # before the clock: its thread's start is ours
+        self.s.sampler.start(parts=cuda())   # before the clock: its thread's start is ours
         self.seen = (dict(self.s.bounds.seen), None)
         self._t0 = drained_clock()
 

@@ -41,12 +41,16 @@ class StackSampler:
         self.keys: list[tuple[str, int, str] | None] = []
         # samples by the part of the step they are in: "model", "optimizer", "other" (step_part)
         self.parts: collections.Counter[str] = collections.Counter()
+        self._parts = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, parts: bool = True) -> None:
+        """`parts`: also count each sample's part of the step (step_part walks the whole stack;
+        only a CUDA loop's launch finding reads them)."""
         if self._thread is not None:
             return
+        self._parts = parts
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="syncless-doctor-sampler",
                                         daemon=True)
@@ -60,14 +64,16 @@ class StackSampler:
         self._thread = None
 
     def _run(self) -> None:
-        tid, wait, counts, parts = self.thread_id, self._stop.wait, self.counts, self.parts
+        tid, wait, counts = self.thread_id, self._stop.wait, self.counts
+        parts = self.parts if self._parts else None
         while not wait(self.interval):
             frame = sys._current_frames().get(tid)
             if frame is None:
                 return
             key = sampled_site(frame)
             counts[key] += 1
-            parts[step_part(frame)] += 1
+            if parts is not None:
+                parts[step_part(frame)] += 1
             self.times.append(perf_counter())
             self.keys.append(key)
             self.total += 1
@@ -87,8 +93,9 @@ class StackSampler:
         return Line(key[0], key[1], key[2], count), n
 
     def share(self, part: str) -> float | None:
-        """The share of the samples in `part` of the step (step_part); None: no samples."""
-        return self.parts[part] / self.total if self.total else None
+        """The share of the samples in `part` of the step (step_part); None: none counted."""
+        counted = sum(self.parts.values())
+        return self.parts[part] / counted if counted else None
 
     def top(self, n: int = 5, least: float = 0.03) -> list[Line]:
         """The `n` user lines with the most samples, each holding at least `least` of them."""

@@ -434,11 +434,10 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
                      "torch.cuda.make_graphed_callables around the whole step (static inputs, "
                      "capturable=True for the optimizer)", graph, "cuda-graph")]
     else:
-        # What stays on the host: the step outside the model's calls, less its blocked syncs
-        # (a sync's wait, in the loop's own lines, goes with the syncs).
+        # What stays on the host: its own time outside the model's calls (a sync's wait, in
+        # the loop's own lines, goes with the syncs).
         inside = model_share * step_ms
-        stays = max(0.0, step_ms - inside - (step_ms - host))
-        compiled_step = max(stays, graph)
+        compiled_step = max(host - inside, graph)
         fixes = [Fix(first + "torch.compile(model, mode=\"reduce-overhead\") puts the model's "
                      f"forward and backward in CUDA graphs: they hold {inside:.2f} ms of the "
                      f"step ({model_share:.0%} of its stack samples); the rest (the optimizer's "
@@ -447,8 +446,8 @@ def launch_finding(enqueue_ms: float, gpu_ms: float | None, kernels: float | Non
                  Fix(first + "a CUDA graph of the whole step replaces every launch with one, the "
                      "optimizer's too: torch.cuda.graph / torch.cuda.make_graphed_callables "
                      "around forward, backward and optimizer.step() (static inputs, "
-                     "capturable=True for the optimizer); at best: Python around the graph (a framework's "
-                     "loop, logging) still runs",
+                     "capturable=True for the optimizer); at best: Python around the graph (a "
+                     "framework's loop, logging) still runs",
                      graph, "whole-graph")]
     for opt in optimizers:
         d = getattr(opt, "defaults", {})
@@ -505,7 +504,6 @@ def in_framework_words(findings: list[Finding], framework: str, gpu: bool) -> No
             text = ('TrainingArguments(torch_compile=True, torch_compile_mode="reduce-overhead")'
                     if framework == "transformers" else 'model = torch.compile(model, '
                     'mode="reduce-overhead") before trainer.fit(model)')
-            predicted = next((x.predicted_ms for x in f.fixes if x.tag == "cuda-graph"),
-                             predicted)
+            predicted = f.checked_ms
         if text:
             f.fixes.insert(0, Fix(text, predicted, f"{framework}-args"))
